@@ -1,0 +1,14 @@
+"""logitless: LM-head losses that never hold the full logits, and the torchtune recipes that use them.
+
+Example:
+    >>> import torch, logitless
+    >>> hidden = torch.randn(4, 128, 64, requires_grad=True)
+    >>> weight = torch.randn(32000, 64, requires_grad=True)
+    >>> labels = torch.randint(0, 32000, (4, 128))
+    >>> logitless.linear_cross_entropy(hidden, weight, labels).backward()
+"""
+
+from logitless.ops import linear_cross_entropy, linear_log_probs
+
+__version__ = "0.1.0"
+__all__ = ["linear_cross_entropy", "linear_log_probs", "__version__"]

@@ -1,0 +1,130 @@
+"""Cross-entropy losses: torchtune's chunked CE done right, and the fused-head alternative."""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from logitless.losses._base import HeadLoss, ModelOutput, as_head_input, label_chunks, logit_chunks
+from logitless.modules import HeadInput
+from logitless.ops import _validate, linear_cross_entropy
+
+
+def _reduce(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    if reduction == "sum":
+        return total
+    # Clamp: a batch whose labels are all ignored gives 0 (and zero gradients), not 0/0 = NaN.
+    return total / (labels != ignore_index).sum().clamp(min=1)
+
+
+class CEWithChunkedOutputLoss(HeadLoss):
+    """Drop-in for torchtune's ``CEWithChunkedOutputLoss`` that never keeps logits for backward.
+
+    Given torchtune's list of logit chunks it behaves like torchtune's loss (each chunk upcast to fp32
+    before its softmax) except that an all-ignored batch gives 0.0 instead of NaN. Paired with our
+    wrapper through :meth:`set_model_output`, the model returns its final hidden states and this loss
+    projects them chunk by chunk with :func:`logitless.linear_cross_entropy` (``impl="chunked"``),
+    computing the gradients during the forward: no chunk of logits survives to the backward.
+
+    Args:
+        num_output_chunks (int): chunks of torchtune's list input. Default 8.
+        ignore_index (int): label without loss. Default -100.
+        reduction (str): ``"mean"`` over non-ignored tokens or ``"sum"``. Default ``"mean"``.
+        chunk_size (Optional[int]): rows per chunk on the hidden-state path (default: 1 GiB budget).
+
+    Example:
+        >>> loss_fn = CEWithChunkedOutputLoss()
+        >>> loss_fn.set_model_output(model)
+        >>> loss = loss_fn(model(tokens), shift_labels(labels))
+    """
+
+    def __init__(
+        self,
+        num_output_chunks: int = 8,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        _validate.check_chunk_size(chunk_size)
+        self.num_output_chunks = num_output_chunks
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.chunk_size = chunk_size
+
+    def compute_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed CE of one ``[N, V]`` logit chunk, upcast to fp32 (torchtune's method name)."""
+        return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
+
+    def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            outputs: a :class:`HeadInput`, torchtune's list of ``[B, S_i, V]`` logit chunks, or logits.
+            labels (torch.Tensor): ``[B, S]`` labels, already shifted.
+
+        Returns:
+            torch.Tensor: fp32 scalar loss.
+        """
+        if isinstance(outputs, HeadInput):
+            return linear_cross_entropy(
+                outputs.hidden, outputs.weight, labels, ignore_index=self.ignore_index,
+                reduction=self.reduction, impl="chunked", chunk_size=self.chunk_size,
+            )
+        chunks = logit_chunks(outputs)
+        total = sum(
+            self.compute_cross_entropy(logits, target)
+            for logits, target in zip(chunks, label_chunks(labels, chunks))
+        )
+        return _reduce(total, labels, self.ignore_index, self.reduction)
+
+
+class LinearCrossEntropyLoss(HeadLoss):
+    """Cross-entropy fused with the output projection (``loss._component_`` for the fused head).
+
+    Args:
+        impl (str): ``"auto"`` (Triton on CUDA, chunked on CPU), ``"triton"``, ``"chunked"``, ``"torch"``.
+        ignore_index (int): label without loss. Default -100.
+        reduction (str): ``"mean"`` over non-ignored tokens or ``"sum"``. Default ``"mean"``.
+        temperature (float): divides the logits. Default 1.0.
+        chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+
+    Example:
+        >>> loss_fn = LinearCrossEntropyLoss(impl="triton")
+        >>> loss_fn.set_model_output(model)
+        >>> loss = loss_fn(model(tokens), labels)
+    """
+
+    def __init__(
+        self,
+        impl: str = "auto",
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        temperature: float = 1.0,
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        _validate.check_impl(impl)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        _validate.check_temperature(temperature)
+        _validate.check_chunk_size(chunk_size)
+        self.impl, self.ignore_index, self.reduction = impl, ignore_index, reduction
+        self.temperature, self.chunk_size = temperature, chunk_size
+
+    def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            outputs (HeadInput): the model's final hidden states and head weight.
+            labels (torch.Tensor): ``[B, S]`` labels, already shifted.
+
+        Returns:
+            torch.Tensor: fp32 scalar loss.
+        """
+        head = as_head_input(outputs, type(self).__name__)
+        return linear_cross_entropy(
+            head.hidden, head.weight, labels, ignore_index=self.ignore_index,
+            reduction=self.reduction, temperature=self.temperature, impl=self.impl,
+            chunk_size=self.chunk_size,
+        )

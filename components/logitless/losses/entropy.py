@@ -1,0 +1,70 @@
+"""Token entropy as a loss term (e.g. an entropy bonus), computed without keeping logits."""
+
+from typing import Optional
+
+import torch
+
+from logitless.losses._base import HeadLoss, ModelOutput, label_chunks, logit_chunks
+from logitless.modules import HeadInput
+from logitless.ops import _validate, linear_log_probs
+
+
+class EntropyWithChunkedOutputLoss(HeadLoss):
+    """Mean entropy of ``softmax(logits / temperature)`` over non-ignored tokens; differentiable.
+
+    On the hidden-state path (after :meth:`set_model_output`) each chunk is projected, upcast to fp32
+    and recomputed in backward; with torchtune's list of logit chunks each chunk is upcast on its own.
+    Labels only select the tokens (``ignore_index`` excluded). 0.0 when every token is ignored.
+
+    Args:
+        num_output_chunks (int): chunks of the logit-list input. Default 8.
+        ignore_index (int): label of the tokens to skip. Default -100.
+        temperature (float): divides the logits. Default 1.0.
+        impl (str): head op implementation on the hidden-state path. Default ``"chunked"``.
+        chunk_size (Optional[int]): rows per chunk.
+
+    Example:
+        >>> ent_fn = EntropyWithChunkedOutputLoss()
+        >>> ent_fn.set_model_output(model)
+        >>> bonus = -0.01 * ent_fn(model(tokens), labels)
+    """
+
+    def __init__(
+        self,
+        num_output_chunks: int = 8,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        impl: str = "chunked",
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        _validate.check_temperature(temperature)
+        _validate.check_impl(impl)
+        self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
+        self.temperature, self.impl, self.chunk_size = temperature, impl, chunk_size
+
+    def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            outputs: a :class:`HeadInput`, a list of logit chunks, or logits.
+            labels (torch.Tensor): ``[B, S]``; tokens with ``ignore_index`` are skipped.
+
+        Returns:
+            torch.Tensor: fp32 scalar mean entropy.
+        """
+        count = (labels != self.ignore_index).sum().clamp(min=1)
+        if isinstance(outputs, HeadInput):
+            # Only the mask matters for entropy; give valid rows a harmless in-range label.
+            mask_labels = torch.where(labels != self.ignore_index, 0, self.ignore_index)
+            _, ent = linear_log_probs(
+                outputs.hidden, outputs.weight, mask_labels, ignore_index=self.ignore_index,
+                temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
+            )
+            return ent.sum() / count
+        chunks = logit_chunks(outputs)
+        total = 0.0
+        for logits, target in zip(chunks, label_chunks(labels, chunks)):
+            logz = (logits.float() / self.temperature).log_softmax(-1)
+            ent = -(logz.exp() * logz).sum(-1)
+            total = total + torch.where(target != self.ignore_index, ent, 0.0).sum()
+        return total / count

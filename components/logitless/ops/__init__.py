@@ -1,0 +1,5 @@
+"""Differentiable LM-head primitives: ``reference`` (oracle), ``chunked`` (PyTorch), ``triton`` (fused)."""
+
+from logitless.ops.dispatch import linear_cross_entropy, linear_log_probs, resolve_impl
+
+__all__ = ["linear_cross_entropy", "linear_log_probs", "resolve_impl"]

@@ -1,0 +1,108 @@
+"""Argument checks shared by every implementation of the head ops.
+
+Every check runs before any computation and raises a ``ValueError`` that names the argument, the
+value received and what was expected, so a bad call never reaches a kernel (where an out-of-range
+label would be a device-side assert, or silently wrong).
+"""
+
+from typing import Optional
+
+import torch
+
+IMPLS = ("auto", "triton", "chunked", "torch")
+REDUCTIONS = ("mean", "sum", "none")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_temperature(temperature: float) -> None:
+    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        raise ValueError(
+            f"temperature must be a positive Python float, got {type(temperature).__name__} "
+            f"{temperature!r}"
+        )
+    if not temperature > 0:  # also rejects NaN
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+
+def check_chunk_size(chunk_size: Optional[int]) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
+
+
+def check_head_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int,
+    check_label_range: bool = True,
+) -> None:
+    """Checks shapes, dtypes, devices and label values of ``(hidden, weight, labels)``.
+
+    Args:
+        hidden (torch.Tensor): ``(..., H)`` floating point.
+        weight (torch.Tensor): ``(V, H)``, same dtype and device as ``hidden``.
+        labels (torch.Tensor): ``hidden.shape[:-1]``, integer, each in ``[0, V)`` or ``ignore_index``.
+        ignore_index (int): label value that marks a token without loss.
+        check_label_range (bool): scan the labels for out-of-range values. This reads the labels
+            on the host (a device sync), so it is skipped while ``torch.compile`` traces.
+
+    Raises:
+        ValueError: on the first violated expectation, naming the argument.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"hidden must be float16, bfloat16, float32 or float64, got dtype {hidden.dtype}"
+        )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D (V, H) as nn.Linear stores it, got shape {tuple(weight.shape)}"
+        )
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must have shape (..., H) with H = weight.shape[1] = {weight.shape[1]}, "
+            f"got hidden shape {tuple(hidden.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight dtype must equal hidden dtype {hidden.dtype}, got weight dtype {weight.dtype}"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(
+            f"weight must be on hidden's device {hidden.device}, got weight on {weight.device}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be int64 (or int32), got dtype {labels.dtype}")
+    if labels.device != hidden.device:
+        raise ValueError(
+            f"labels must be on hidden's device {hidden.device}, got labels on {labels.device}"
+        )
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if check_label_range and labels.numel() > 0 and not torch.compiler.is_compiling():
+        vocab = weight.shape[0]
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        if bool(bad.any()):
+            first = labels[bad][0].item()
+            raise ValueError(
+                f"labels must be in [0, {vocab}) or ignore_index={ignore_index}, "
+                f"got {int(bad.sum())} label(s) out of range, e.g. {first}"
+            )

@@ -1,0 +1,264 @@
+"""Chunked PyTorch head ops: bounded memory in forward AND backward, no custom kernels.
+
+The ``(N, V)`` logits never exist at once: rows are processed ``chunk_size`` at a time, each chunk's
+logits upcast to float32 before its softmax. Two backward regimes:
+
+* scalar upstream (cross-entropy with ``reduction="mean"|"sum"``): the gradients ``dh`` and ``dW`` are
+  computed during the forward, chunk by chunk, and only scaled by the upstream scalar in backward.
+  Three GEMMs per chunk in all, nothing recomputed, nothing of size ``N x V`` kept.
+* arbitrary per-token upstream (log-probs and entropy, ``reduction="none"``): the forward keeps only
+  the per-row log-sum-exp and entropy (``O(N)``); backward recomputes each chunk's logits.
+
+Saved for backward in either regime: ``hidden``, ``weight`` (which autograd holds anyway) and
+``O(N)`` floats, or the gradients themselves -- never ``O(N x V)``.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+# Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
+DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
+_BUFFERS_PER_ROW = 3
+
+
+def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int:
+    """Rows per chunk such that the chunk's float32 temporaries stay within ``budget_bytes``.
+
+    Args:
+        num_rows (int): N, the number of tokens.
+        vocab_size (int): V.
+        budget_bytes (int): memory allowed for the chunk temporaries.
+
+    Returns:
+        int: rows per chunk, in ``[1, max(num_rows, 1)]``, a multiple of 64 when above 64.
+    """
+    rows = max(1, budget_bytes // (vocab_size * 4 * _BUFFERS_PER_ROW))
+    if rows > 64:
+        rows -= rows % 64  # GEMM-friendly tiles
+    return max(1, min(rows, num_rows))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` returned in the accumulator dtype, rounded once (not per chunk to bf16)."""
+    if a.dtype == acc and b.dtype == acc:
+        return a @ b
+    if a.is_cuda:
+        try:  # half inputs, fp32 output straight from the tensor cores (torch >= 2.9, CUDA)
+            return torch.mm(a, b, out_dtype=acc)
+        except (RuntimeError, TypeError):
+            pass
+    return a.to(acc) @ b.to(acc)
+
+
+def _gemm_operand(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dlogits as the GEMM operand: the input dtype on CUDA (tensor cores, as autograd does), kept in
+    the accumulator dtype elsewhere, where a half-precision GEMM is no faster."""
+    return grad.to(dtype) if grad.is_cuda else grad
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
+    z = (h @ weight.T).to(acc)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class _LinearCrossEntropyGradInForward(torch.autograd.Function):
+    """Summed (optionally scaled) cross-entropy whose gradients are computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, mean, chunk_size):
+        n, _ = hidden.shape
+        acc = _acc_dtype(hidden.dtype)
+        valid_all = labels != ignore_index
+        # "mean" divides by the non-ignored count (clamped so an all-ignored batch gives 0, not NaN).
+        scale = 1.0 / valid_all.sum().clamp(min=1).to(acc) if mean else torch.ones((), dtype=acc, device=hidden.device)
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # dh and dW stay in the accumulator dtype until the upstream scalar is applied in backward,
+        # so they are rounded to the input dtype once, as plain autograd rounds them.
+        dh = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+            valid = valid_all[start : start + chunk_size]
+            safe = torch.where(valid, y, 0).long().unsqueeze(1)
+            z = _chunk_logits(h, weight, temperature, acc)
+            lse = torch.logsumexp(z, dim=-1)
+            loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0)
+            total = total + loss.sum()
+            if not (need_dh or need_dw):
+                continue
+            # dloss/dlogits = (softmax - onehot) / T, computed in place on the chunk's logits.
+            grad = z.sub_(lse.unsqueeze(1)).exp_()
+            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=acc))
+            grad.mul_((valid.to(acc) * (scale / temperature)).unsqueeze(1))
+            grad = _gemm_operand(grad, hidden.dtype)
+            if need_dh:
+                dh[start : start + chunk_size] = _mm_acc(grad, weight, acc)
+            if need_dw:
+                dw.add_(_mm_acc(grad.T, h, acc))
+        ctx.save_for_backward(dh, dw)
+        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        return (total * scale).float() if acc == torch.float32 else total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dh, dw = ctx.saved_tensors
+        grad_hidden = (dh * grad_out.to(dh.dtype)).to(ctx.hidden_dtype) if dh is not None else None
+        grad_weight = (dw * grad_out.to(dw.dtype)).to(ctx.weight_dtype) if dw is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Per-token log-probs and entropy; recomputes each chunk's logits in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, return_entropy, chunk_size):
+        n, _ = hidden.shape
+        acc = _acc_dtype(hidden.dtype)
+        valid = labels != ignore_index
+        logp = torch.zeros(n, dtype=acc, device=hidden.device)
+        lse_all = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.zeros(n, dtype=acc, device=hidden.device) if return_entropy else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            y, v = labels[start:stop], valid[start:stop]
+            safe = torch.where(v, y, 0).long().unsqueeze(1)
+            z = _chunk_logits(hidden[start:stop], weight, temperature, acc)
+            lse = torch.logsumexp(z, dim=-1)
+            lse_all[start:stop] = lse
+            logp[start:stop] = torch.where(v, z.gather(1, safe).squeeze(1) - lse, 0.0)
+            if return_entropy:
+                # H = lse - sum_j p_j z_j
+                p = z.sub(lse.unsqueeze(1)).exp_()
+                ent[start:stop] = torch.where(v, lse - (p * z).sum(-1), 0.0)
+        ctx.save_for_backward(hidden, weight, labels, lse_all, ent)
+        ctx.ignore_index, ctx.temperature, ctx.chunk_size = ignore_index, temperature, chunk_size
+        out_dtype = torch.float32 if acc == torch.float32 else acc
+        ctx.mark_non_differentiable(labels)
+        return logp.to(out_dtype), (ent.to(out_dtype) if ent is not None else None)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, labels, lse_all, ent = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_dh or need_dw) or (grad_logp is None and grad_ent is None):
+            return None, None, None, None, None, None, None
+        n, _ = hidden.shape
+        acc, t, rows = lse_all.dtype, ctx.temperature, ctx.chunk_size
+        valid = labels != ctx.ignore_index
+        dh = torch.empty_like(hidden) if need_dh else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            v = valid[start:stop]
+            safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
+            h = hidden[start:stop]
+            z = _chunk_logits(h, weight, t, acc)
+            logq = z.sub_(lse_all[start:stop].unsqueeze(1))  # log softmax, in place
+            p = logq.exp()
+            # d logp_y / dz = onehot - p ;  d H / dz = -p * (log p + H); so with upstream (a, b):
+            # dz = a * onehot - p * (a + b * (log p + H))
+            g_lp = grad_logp[start:stop].to(acc).unsqueeze(1) if grad_logp is not None else None
+            if grad_ent is not None and ent is not None:
+                grad = logq.add_(ent[start:stop].unsqueeze(1)).mul_(grad_ent[start:stop].to(acc).unsqueeze(1))
+                if g_lp is not None:
+                    grad.add_(g_lp)
+                grad.mul_(p)
+            else:
+                grad = p.mul_(g_lp)
+            grad.neg_()
+            if g_lp is not None:
+                grad.scatter_add_(1, safe, g_lp)
+            grad.mul_((v.to(acc) / t).unsqueeze(1))
+            grad = _gemm_operand(grad, hidden.dtype)
+            if need_dh:
+                dh[start:stop] = _mm_acc(grad, weight, acc).to(hidden.dtype)
+            if need_dw:
+                dw.add_(_mm_acc(grad.T, h, acc))
+        return dh, (dw.to(weight.dtype) if dw is not None else None), None, None, None, None, None
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    return_entropy: bool = True,
+    chunk_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked per-token log-probs (and entropy) of ``labels``; 2-D ``hidden`` and 1-D ``labels``.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)``.
+        weight (torch.Tensor): ``(V, H)``.
+        labels (torch.Tensor): ``(N,)``.
+        ignore_index (int): label whose positions get 0 and no gradient.
+        temperature (float): divides the logits before the softmax.
+        return_entropy (bool): also compute the entropy.
+        chunk_size (Optional[int]): rows per chunk; ``None`` picks :func:`auto_chunk_size`.
+
+    Returns:
+        Tuple[torch.Tensor, Optional[torch.Tensor]]: ``(N,)`` float32 log-probs and entropy
+        (float64 for float64 inputs); differentiable for any upstream gradient of both.
+
+    Example:
+        >>> logp, ent = linear_log_probs(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
+    """
+    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    return _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, return_entropy, rows)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Chunked cross-entropy; 2-D ``hidden`` and 1-D ``labels``.
+
+    ``"mean"``/``"sum"`` compute the gradients in the forward (scalar upstream); ``"none"`` goes through
+    :func:`linear_log_probs` and recomputes in backward, since a per-token upstream gradient cannot be
+    applied to gradients already summed over tokens.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)``.
+        weight (torch.Tensor): ``(V, H)``.
+        labels (torch.Tensor): ``(N,)``.
+        ignore_index (int): label that contributes no loss.
+        reduction (str): ``"mean"`` (over non-ignored tokens; 0.0 when none), ``"sum"`` or ``"none"``.
+        temperature (float): divides the logits before the softmax.
+        chunk_size (Optional[int]): rows per chunk; ``None`` picks :func:`auto_chunk_size`.
+
+    Returns:
+        torch.Tensor: float32 scalar, or ``(N,)`` per-token losses for ``"none"``.
+
+    Example:
+        >>> loss = linear_cross_entropy(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
+    """
+    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if reduction == "none" or not needs_grad:
+        logp, _ = _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, False, rows)
+        loss = -logp
+        if reduction == "none":
+            return loss
+        total = loss.sum()
+        if reduction == "sum":
+            return total
+        return total / (labels != ignore_index).sum().clamp(min=1)
+    return _LinearCrossEntropyGradInForward.apply(
+        hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows
+    )

@@ -1,0 +1,159 @@
+"""The public head ops: validate once, pick an implementation, flatten, call it, reshape back."""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from logitless.ops import _validate, chunked, reference
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Maps ``impl`` to the implementation that runs on ``device``.
+
+    ``"auto"`` picks the fused Triton kernels on CUDA and the chunked PyTorch path elsewhere;
+    ``"triton"`` on a CPU tensor is an error unless ``TRITON_INTERPRET=1`` (how CI runs the kernels).
+
+    Args:
+        impl (str): ``"auto" | "triton" | "chunked" | "torch"``.
+        device (torch.device): where the inputs live.
+
+    Returns:
+        str: ``"triton" | "chunked" | "torch"``.
+    """
+    _validate.check_impl(impl)
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "chunked"
+    if impl == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
+            f"got tensors on {device}; use impl='chunked' or 'auto' on the CPU"
+        )
+    return impl
+
+
+def _triton():
+    # Imported lazily: triton is an optional, Linux-only dependency.
+    from logitless.ops import triton as triton_ops
+
+    return triton_ops
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    temperature: float = 1.0,
+    impl: str = "auto",
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``softmax(hidden @ weight.T / temperature)`` without materialising the logits.
+
+    Args:
+        hidden (torch.Tensor): ``(..., H)`` bf16, fp16, fp32 (or fp64 for references).
+        weight (torch.Tensor): ``(V, H)``, as ``nn.Linear`` stores it; same dtype and device.
+        labels (torch.Tensor): ``hidden.shape[:-1]`` int64, in ``[0, V)`` or ``ignore_index``.
+        ignore_index (int): label that contributes no loss. Default -100.
+        reduction (str): ``"mean"`` over non-ignored tokens (0.0 with zero gradients when there are
+            none), ``"sum"``, or ``"none"`` (fp32 per-token loss of ``labels.shape``, 0 at ignored).
+        temperature (float): divides the logits before the softmax. Default 1.0.
+        impl (str): ``"auto"`` (triton on CUDA, else chunked), ``"triton"``, ``"chunked"``, ``"torch"``.
+        chunk_size (Optional[int]): rows per chunk for ``"chunked"`` (default: a 1 GiB budget).
+
+    Returns:
+        torch.Tensor: fp32 scalar, or fp32 ``labels.shape`` for ``reduction="none"``.
+
+    Raises:
+        ValueError: on a bad argument, before any computation.
+
+    Example:
+        >>> hidden = torch.randn(2, 16, 64, requires_grad=True)
+        >>> weight = torch.randn(1000, 64, requires_grad=True)
+        >>> labels = torch.randint(0, 1000, (2, 16))
+        >>> linear_cross_entropy(hidden, weight, labels).backward()
+    """
+    _validate.check_reduction(reduction)
+    _validate.check_temperature(temperature)
+    _validate.check_chunk_size(chunk_size)
+    _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    impl = resolve_impl(impl, hidden.device)
+    if impl == "torch":
+        return reference.cross_entropy(
+            hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
+            temperature=temperature,
+        )
+    h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if impl == "triton":
+        loss = _triton().linear_cross_entropy(
+            h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction, temperature=temperature
+        )
+    else:
+        loss = chunked.linear_cross_entropy(
+            h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction,
+            temperature=temperature, chunk_size=chunk_size,
+        )
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    return_entropy: bool = True,
+    impl: str = "auto",
+    chunk_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token ``log softmax(hidden @ weight.T / temperature)[label]`` and the entropy.
+
+    Differentiable w.r.t. ``hidden`` and ``weight`` for any upstream gradient of both outputs
+    (recomputed per chunk in backward, so memory never grows with ``N x V``).
+
+    Args:
+        hidden (torch.Tensor): ``(..., H)``.
+        weight (torch.Tensor): ``(V, H)``; same dtype and device as ``hidden``.
+        labels (torch.Tensor): ``hidden.shape[:-1]`` int64, in ``[0, V)`` or ``ignore_index``.
+        ignore_index (int): positions with this label get 0 and no gradient. Default -100.
+        temperature (float): divides the logits (use the sampling temperature in RL). Default 1.0.
+        return_entropy (bool): also return the entropy; ``None`` otherwise. Default True.
+        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"``.
+        chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
+
+    Returns:
+        Tuple[torch.Tensor, Optional[torch.Tensor]]: fp32 log-probs and entropy of ``labels.shape``.
+
+    Example:
+        >>> hidden = torch.randn(2, 16, 64, requires_grad=True)
+        >>> weight = torch.randn(1000, 64)
+        >>> logp, ent = linear_log_probs(hidden, weight, torch.randint(0, 1000, (2, 16)), temperature=0.7)
+    """
+    _validate.check_temperature(temperature)
+    _validate.check_chunk_size(chunk_size)
+    _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    impl = resolve_impl(impl, hidden.device)
+    if impl == "torch":
+        return reference.log_probs(
+            hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
+            return_entropy=return_entropy,
+        )
+    h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if impl == "triton":
+        logp, ent = _triton().linear_log_probs(
+            h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
+            return_entropy=return_entropy,
+        )
+    else:
+        logp, ent = chunked.linear_log_probs(
+            h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
+            return_entropy=return_entropy, chunk_size=chunk_size,
+        )
+    return logp.reshape(labels.shape), (ent.reshape(labels.shape) if ent is not None else None)
