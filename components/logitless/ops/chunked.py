@@ -262,3 +262,115 @@ def linear_cross_entropy(
     return _LinearCrossEntropyGradInForward.apply(
         hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows
     )
+
+
+class _LinearTokenObjective(torch.autograd.Function):
+    """A sum of per-token terms of (log-prob, entropy), with its gradients computed in the forward.
+
+    When every token's term depends only on that token's log-prob and entropy (and on constants known
+    before the forward: old/reference log-probs, advantages, normalisers), its gradient w.r.t. the
+    logits is known as soon as a chunk's logits are: the policy loss of GRPO costs three GEMMs
+    (logits, dh, dW) like cross-entropy, instead of forward + recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, token_objective, need_entropy, chunk_size):
+        n, _ = hidden.shape
+        acc = _acc_dtype(hidden.dtype)
+        valid_all = labels != ignore_index
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logp_all = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        ent_all = torch.zeros(n, dtype=torch.float32, device=hidden.device) if need_entropy else None
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            h, v = hidden[start:stop], valid_all[start:stop]
+            safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
+            z = _chunk_logits(h, weight, temperature, acc)
+            lse = torch.logsumexp(z, dim=-1)
+            logq = z.sub_(lse.unsqueeze(1))  # log softmax, in place
+            p = logq.exp()
+            logp = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0).float()
+            ent = torch.where(v, -(p * logq).sum(-1), 0.0).float() if need_entropy else None
+            with torch.enable_grad():
+                lp_leaf = logp.detach().requires_grad_()
+                ent_leaf = ent.detach().requires_grad_() if need_entropy else None
+                value = token_objective(lp_leaf, ent_leaf, start, stop)
+                leaves = [lp_leaf] + ([ent_leaf] if need_entropy else [])
+                grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * len(leaves)
+            total = total + value.detach().float()
+            logp_all[start:stop] = logp
+            if need_entropy:
+                ent_all[start:stop] = ent
+            if not (need_dh or need_dw):
+                continue
+            a = grads[0].to(acc) if grads[0] is not None else torch.zeros_like(lse)
+            b = grads[1].to(acc) if need_entropy and grads[1] is not None else None
+            # dz = a * onehot - p * (a + b * (log p + H))
+            if b is not None:
+                grad = logq.add_(ent.to(acc).unsqueeze(1)).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1)).mul_(p)
+            else:
+                grad = p.mul_(a.unsqueeze(1))
+            grad.neg_().scatter_add_(1, safe, a.unsqueeze(1))
+            grad.mul_((v.to(acc) / temperature).unsqueeze(1))
+            grad = _gemm_operand(grad, hidden.dtype)
+            if need_dh:
+                dh[start:stop] = _mm_acc(grad, weight, acc)
+            if need_dw:
+                dw.add_(_mm_acc(grad.T, h, acc))
+        ctx.save_for_backward(dh, dw)
+        ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(logp_all, *( [ent_all] if ent_all is not None else []))
+        return total, logp_all, ent_all
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_logp, _grad_ent):
+        dh, dw = ctx.saved_tensors
+        grad_hidden = (dh * grad_total.to(dh.dtype)).to(ctx.hidden_dtype) if dh is not None else None
+        grad_weight = (dw * grad_total.to(dw.dtype)).to(ctx.weight_dtype) if dw is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def linear_token_objective(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_objective,
+    *,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    need_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``sum_t token_objective(logp_t, H_t)`` with gradients computed in the forward (three GEMMs).
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)``.
+        weight (torch.Tensor): ``(V, H)``.
+        labels (torch.Tensor): ``(N,)``; ignored positions get ``logp = H = 0`` and no gradient.
+        token_objective (Callable): ``f(logp, ent, start, stop) -> scalar``: the summed objective of
+            rows ``start:stop`` given their fp32 log-probs and entropies (``ent`` is None unless
+            ``need_entropy``). It must be a sum of per-token terms; differentiable torch code. Row
+            constants (advantages, old/ref log-probs, weights) are sliced by the callable.
+        ignore_index (int): label of rows without a term.
+        temperature (float): divides the logits.
+        need_entropy (bool): compute the entropy and pass it to ``token_objective``.
+        chunk_size (Optional[int]): rows per chunk.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: the fp32 scalar objective
+        (differentiable w.r.t. ``hidden`` and ``weight`` for a scalar upstream), and the detached fp32
+        ``(N,)`` log-probs and entropies (for metrics).
+
+    Example:
+        >>> adv = torch.randn(5)
+        >>> obj = lambda lp, ent, s, e: -(adv[s:e] * lp).sum()
+        >>> loss, logp, _ = linear_token_objective(torch.randn(5, 8, requires_grad=True), torch.randn(11, 8), torch.arange(5), obj)
+        >>> loss.backward()
+    """
+    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    return _LinearTokenObjective.apply(
+        hidden, weight, labels, ignore_index, temperature, token_objective, need_entropy, rows
+    )
