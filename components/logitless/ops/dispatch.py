@@ -12,22 +12,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """Maps ``impl`` to the implementation that runs on ``device``.
 
-    ``"auto"`` picks the fused Triton kernels on CUDA and the chunked PyTorch path elsewhere;
+    ``"auto"`` picks the fused Triton kernels on CUDA (float64 reference inputs excepted) and the
+    chunked PyTorch path elsewhere;
     ``"triton"`` on a CPU tensor is an error unless ``TRITON_INTERPRET=1`` (how CI runs the kernels).
 
     Args:
         impl (str): ``"auto" | "triton" | "chunked" | "torch"``.
         device (torch.device): where the inputs live.
+        dtype (torch.dtype): the inputs' dtype.
 
     Returns:
         str: ``"triton" | "chunked" | "torch"``.
     """
     _validate.check_impl(impl)
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "chunked"
+        return "triton" if device.type == "cuda" and dtype != torch.float64 else "chunked"
     if impl == "triton" and device.type != "cuda" and not _interpreting():
         raise ValueError(
             f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
@@ -83,7 +85,7 @@ def linear_cross_entropy(
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
     _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
-    impl = resolve_impl(impl, hidden.device)
+    impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "torch":
         return reference.cross_entropy(
             hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
@@ -139,7 +141,7 @@ def linear_log_probs(
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
     _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
-    impl = resolve_impl(impl, hidden.device)
+    impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "torch":
         return reference.log_probs(
             hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,

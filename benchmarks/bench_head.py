@@ -1,0 +1,499 @@
+"""Side-by-side benchmark of LM-head losses: time, memory and error vs float64, in one process.
+
+For each head shape and mode, every implementation runs on the same bf16 inputs:
+
+* modes: ``ce`` (cross-entropy mean, forward+backward), ``logp`` (per-token log-probs + entropy
+  with random per-token upstream gradients, forward+backward), ``fwd`` (log-probs + entropy under
+  ``no_grad``, the old/reference pass of RL);
+* impls: ``torch`` (plain: bf16 logits, fp32 loss), ``compile`` (``torch.compile`` of it),
+  ``tt_chunked`` (torchtune's chunked-output CE: 8 logit chunks, fp32 upcast per chunk),
+  ``chunked`` / ``triton`` (``logitless`` ``impl=``), ``triton_fused`` (the one-pass 3-GEMM
+  cross-entropy forced at every size), ``liger`` (Liger-Kernel fused linear CE),
+  ``cce`` (Cut Cross-Entropy). Liger and CCE have no entropy output: they run ``ce`` and ``fwd``
+  (log-probs only) and are marked n/a in ``logp``. A peer that is not installed is reported.
+
+Each row: median ms, ratio to one ``torch.matmul`` of (N x H) by (H x V) in bf16 measured in the
+same run (each rep times a GEMM then the step, back to back; the median of the per-rep ratios,
+since clocks drift by ~10% under sustained load), peak extra GiB (``max_memory_allocated`` minus
+what was allocated before the step; the gradients dh, dW are part of it), and
+``||x - ref|| / ||ref||`` against a float64 reference of the same inputs for the loss (or log-probs
+and entropy), dh and dW.
+
+Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
+SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--plot CSV PNG``.
+
+Example:
+    PYTHONPATH=components python benchmarks/bench_head.py --shapes qwen7b \
+        --out benchmarks/results/head_h200.csv
+"""
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N tokens, H hidden, V vocab)
+    "qwen7b": (8192, 3584, 152064),
+    "llama8b": (8192, 4096, 128256),
+    "qwen05b": (16384, 896, 151936),
+    "long": (32768, 3584, 152064),
+}
+IMPLS = ["torch", "compile", "tt_chunked", "chunked", "triton", "triton_fused", "liger", "cce"]
+MODES = ["ce", "logp", "fwd"]
+IGN = -100
+
+
+def _peer_versions():
+    out = {}
+    for mod, name in (("liger_kernel", "liger-kernel"), ("cut_cross_entropy", "cut-cross-entropy")):
+        try:
+            from importlib.metadata import version
+
+            __import__(mod)
+            out[name] = version(name)
+        except Exception as exc:  # a missing peer is reported, not fatal
+            out[name] = f"missing ({type(exc).__name__})"
+    return out
+
+
+# ---------------------------------------------------------------- implementations (one step each)
+def _plain_logp_ent(h, w, y):
+    logits = (h @ w.t()).float()
+    logz = logits.log_softmax(-1)
+    valid = y != IGN
+    logp = logz.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1) * valid
+    ent = -(logz.exp() * logz).sum(-1) * valid
+    return logp, ent
+
+
+def _plain_ce(h, w, y):
+    return F.cross_entropy((h @ w.t()).float(), y, ignore_index=IGN)
+
+
+def _tt_chunks(h, w, y, fn, n_chunks=8):
+    # torchtune's CEWithChunkedOutputLoss: the model emits logit chunks; each is upcast separately.
+    return [fn(hc @ w.t(), yc) for hc, yc in zip(h.chunk(n_chunks), y.chunk(n_chunks))]
+
+
+def _tt_ce(h, w, y):
+    sums = _tt_chunks(h, w, y, lambda lg, yc: F.cross_entropy(lg.float(), yc, ignore_index=IGN,
+                                                              reduction="sum"))
+    return sum(sums) / (y != IGN).sum().clamp(min=1)
+
+
+def _tt_logp(h, w, y):
+    def one(lg, yc):
+        logz = lg.float().log_softmax(-1)
+        valid = yc != IGN
+        lp = logz.gather(-1, torch.where(valid, yc, 0)[:, None]).squeeze(-1) * valid
+        return lp, -(logz.exp() * logz).sum(-1) * valid
+
+    parts = _tt_chunks(h, w, y, one)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def build(impl, mode):
+    """Returns ``f(h, w, y) -> loss`` (ce) or ``(logp, ent_or_None)`` (logp, fwd), or a str why not."""
+    import logitless
+
+    if impl in ("torch", "compile"):
+        f = _plain_ce if mode == "ce" else _plain_logp_ent
+        return torch.compile(f) if impl == "compile" else f
+    if impl == "tt_chunked":
+        return _tt_ce if mode == "ce" else _tt_logp
+    if impl == "triton_fused":
+        # The one-pass 3-GEMM cross-entropy forced at any size (the default switches to two
+        # passes when dW would be rounded in more than FUSED_MAX_CHUNKS row chunks).
+        if mode != "ce":
+            return "n/a: same as triton"
+        from logitless.ops.triton import head
+
+        def fused(h, w, y):
+            saved, head.FUSED_MAX_CHUNKS = head.FUSED_MAX_CHUNKS, 1 << 30
+            try:
+                return logitless.linear_cross_entropy(h, w, y, impl="triton")
+            finally:
+                head.FUSED_MAX_CHUNKS = saved
+
+        return fused
+    if impl in ("chunked", "triton"):
+        if mode == "ce":
+            return lambda h, w, y: logitless.linear_cross_entropy(h, w, y, impl=impl)
+        return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl)
+    if impl == "liger":
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as lfce
+        except Exception as exc:
+            return f"missing: {type(exc).__name__}: {exc}"[:120]
+        if mode == "logp":
+            return "n/a: no entropy output"
+        if mode == "ce":
+            return lambda h, w, y: lfce(h, w, y, ignore_index=IGN)
+        return lambda h, w, y: (-lfce(h, w, y, ignore_index=IGN, reduction="none"), None)
+    if impl == "cce":
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except Exception as exc:
+            return f"missing: {type(exc).__name__}: {exc}"[:120]
+        if mode == "logp":
+            return "n/a: no entropy output"
+        if mode == "ce":
+            return lambda h, w, y: cce(h, w, y, ignore_index=IGN)
+        return lambda h, w, y: (-cce(h, w, y, ignore_index=IGN, reduction="none"), None)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def step(f, mode, h, w, y, g1, g2):
+    """One timed unit: forward (+ backward). Returns what the error check needs."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return f(h, w, y)
+    h.grad = w.grad = None
+    out = f(h, w, y)
+    if mode == "ce":
+        out.backward()
+        return out.detach()
+    logp, ent = out
+    (logp * g1 + ent * g2).sum().backward()
+    return logp.detach(), ent.detach()
+
+
+# ---------------------------------------------------------------- float64 reference (chunked)
+def reference64(h, w, y, g1, g2, rows=1024):
+    """float64 CE(mean) and logp/ent with their gradients, chunked over rows on the device."""
+    h64, w64 = h.detach().double(), w.detach().double()
+    n = h.shape[0]
+    valid = y != IGN
+    n_valid = valid.sum().clamp(min=1).double()
+    logp = torch.zeros(n, dtype=torch.float64, device=h.device)
+    ent = torch.zeros_like(logp)
+    grads = {k: (torch.zeros_like(h64), torch.zeros_like(w64)) for k in ("ce", "logp")}
+    for s in range(0, n, rows):
+        hc, yc, vc = h64[s:s + rows], y[s:s + rows], valid[s:s + rows]
+        z = hc @ w64.t()
+        lse = z.logsumexp(-1, keepdim=True)
+        p = (z - lse).exp()
+        safe = torch.where(vc, yc, 0)
+        lp = (z.gather(-1, safe[:, None]) - lse).squeeze(-1)
+        en = (lse.squeeze(-1) - (p * z).sum(-1))
+        logp[s:s + rows] = lp * vc
+        ent[s:s + rows] = en * vc
+        onehot = torch.zeros_like(z).scatter_(-1, safe[:, None], 1.0)
+        for key in ("ce", "logp"):
+            if key == "ce":
+                dz = (p - onehot) / n_valid
+            else:
+                dz = g1[s:s + rows, None].double() * (onehot - p) - g2[s:s + rows, None].double() * p * (
+                    z - lse + en[:, None])
+            dz *= vc[:, None]
+            grads[key][0][s:s + rows] = dz @ w64
+            grads[key][1].addmm_(dz.t(), hc)
+            del dz
+        del z, p, onehot
+    loss = -(logp.sum() / n_valid)
+    # Kept as fp32 (rounding 6e-8, far below any error measured) to leave memory to the peers.
+    f32 = {k: tuple(t.float() for t in v) for k, v in grads.items()}
+    return {"ce": (loss, *f32["ce"]), "logp": (logp, ent, *f32["logp"])}
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+
+# ---------------------------------------------------------------- timing
+def time_ms(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure(impl, mode, f, h, w, y, g1, g2, ref, reps, warmup):
+    row = dict(impl=impl, mode=mode)
+    run = lambda: step(f, mode, h, w, y, g1, g2)  # noqa: E731
+    run()  # compile / autotune outside the memory measurement
+    torch.cuda.synchronize()
+    h.grad = w.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    if ref is _NO_REF:
+        pass
+    elif mode == "ce":
+        r_loss, r_dh, r_dw = ref["ce"][:3]
+        row.update(err_out=rel(out, r_loss), err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
+    else:
+        r_lp, r_ent, r_dh, r_dw = ref["logp"]
+        logp, ent = out
+        err = rel(logp, r_lp)
+        if ent is not None:
+            err = max(err, rel(ent, r_ent))
+        row["err_out"] = err
+        if mode == "logp":
+            row.update(err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
+    del out
+    # Each rep times one GEMM then one step back to back; the ratio is the median of the per-rep
+    # ratios, so both sides see the same clocks (they drift by 10% under sustained load).
+    gemm = lambda: torch.matmul(h.detach(), w.detach().t())  # noqa: E731
+    for _ in range(warmup):
+        gemm()
+        run()
+    pairs = [(time_ms(gemm, 1, 0), time_ms(run, 1, 0)) for _ in range(reps)]
+    row["ms"] = statistics.median(p[1] for p in pairs)
+    row["gemm_ms"] = statistics.median(p[0] for p in pairs)
+    row["gemms"] = statistics.median(p[1] / p[0] for p in pairs)
+    h.grad = w.grad = None
+    return row
+
+
+class _Rows(list):
+    """Rows, each appended to the CSV as soon as it is measured (a killed run keeps its rows)."""
+
+    def __init__(self, path, fields):
+        super().__init__()
+        self.path, self.fields = path, fields
+        if path and not os.path.exists(path):
+            with open(path, "w", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=fields).writeheader()
+
+    def append(self, r):
+        super().append(r)
+        if self.path:
+            with open(self.path, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=self.fields, extrasaction="ignore").writerow(
+                    {k: (f"{r[k]:.4g}" if isinstance(r.get(k), float) else r.get(k, ""))
+                     for k in self.fields})
+
+
+def micro(shape, reps=10):
+    """Prints the pieces of the triton path at one shape: chunk GEMMs, epilogue variants, a profile."""
+    import itertools
+
+    from logitless.ops.triton import head
+
+    n, hd, v = SHAPES[shape]
+    dev = torch.device("cuda")
+    h = torch.randn(n, hd, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, hd, device=dev, dtype=torch.bfloat16) * (2.0 / math.sqrt(hd))
+    full = time_ms(lambda: h @ w.t(), reps, 3)
+    print(f"## micro {shape}: full GEMM {full:.2f} ms")
+    y = torch.randint(0, v, (n,), device=dev)
+    saved = (head.PREFETCH, head.BLOCK_V, head.PROGRAMS_PER_SM)
+    for rows, cols in ((768, v), (4096, 10240)):
+        buf = torch.randn(rows, cols, device=dev).to(torch.bfloat16)
+        lse = torch.zeros(rows, device=dev)
+        coef = torch.ones((), device=dev)
+        for stats, block, pps in itertools.product((True, False), (2048, 4096, 8192), (4, 8)):
+            head.PREFETCH, head.BLOCK_V, head.PROGRAMS_PER_SM = stats, block, pps
+            ch = head._Tile(*head._num_splits(rows, cols, dev), None)
+            ch.part = torch.empty(rows, ch.splits, 3, device=dev)
+            t_st = time_ms(lambda: head._row_stats(ch, buf, 1.0), reps, 2)
+            t_dl = time_ms(lambda: head._dlogits(ch, buf, None, 0, y, lse, None, None, None, coef, 1.0, IGN),
+                           reps, 2)
+            print(f"{rows}x{cols} prefetch={stats} BLOCK_V={block} pps={pps} splits={ch.splits}: stats "
+                  f"{buf.numel() * 2 / t_st / 1e6:.0f} GB/s, dlogits {buf.numel() * 4 / t_dl / 1e6:.0f} GB/s",
+                  flush=True)
+        buf = None
+    head.PREFETCH, head.BLOCK_V, head.PROGRAMS_PER_SM = saved
+    hg = h.clone().requires_grad_(True)
+    wg = w.clone().requires_grad_(True)
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in ("ce", "fwd"):
+        f = build("triton", mode)
+        for _ in range(2):
+            step(f, mode, hg, wg, y, None, None)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(f, mode, hg, wg, y, None, None)
+            torch.cuda.synchronize()
+        print(f"### profile triton {mode} {shape}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+def tradeoffs(shape, reps=5):
+    """Workspace size vs speed, the cost of ignored rows, and epilogue launch shapes (triton only)."""
+    from logitless.ops.triton import head
+
+    n, hd, v = SHAPES[shape]
+    dev = torch.device("cuda")
+    h = torch.randn(n, hd, device=dev).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, hd, device=dev) * (2.0 / math.sqrt(hd))).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, v, (n,), device=dev)
+    print(f"## tradeoffs {shape}")
+    f = build("triton_fused", "ce")
+    for mib in (224, 512, 1024, 2048):
+        head.WORKSPACE_BYTES = mib << 20
+        r = measure("triton", "ce", f, h, w, y, None, None, _NO_REF, reps, 1)
+        print(f"ce workspace {mib:5d} MiB: {r['ms']:.1f} ms = {r['gemms']:.2f} GEMMs, peak extra "
+              f"{r['peak_extra_gib']:.2f} GiB", flush=True)
+    head.WORKSPACE_BYTES = 224 << 20
+    for frac in (0.0, 0.5, 0.9):
+        yi = y.clone()
+        yi[torch.rand(n, device=dev) < frac] = IGN
+        for mode in ("ce", "fwd"):
+            r = measure("triton", mode, build("triton", mode), h, w, yi, None, None, _NO_REF, reps, 1)
+            print(f"{mode} ignored {frac:.0%}: {r['ms']:.1f} ms = {r['gemms']:.2f} GEMMs", flush=True)
+    for block, warps in ():
+        head.BLOCK_V, head._NUM_WARPS = block, warps
+        for mode in ("ce", "fwd"):
+            r = measure("triton", mode, build("triton", mode), h, w, y, None, None, _NO_REF, reps, 1)
+            print(f"{mode} BLOCK_V={block} num_warps={warps}: {r['ms']:.1f} ms = {r['gemms']:.2f} GEMMs",
+                  flush=True)
+
+
+class _NoRef(dict):
+    # measure() without the float64 check (the trade-off runs only time).
+    def __getitem__(self, key):
+        return None
+
+
+_NO_REF = _NoRef()
+
+
+def plot(csv_path, png_path):
+    """Draws GEMM ratios and peak extra memory per implementation from a results CSV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as fh:
+        rows = [r for r in csv.DictReader(fh) if r["ms"]]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    targets = {"ce": 3.3, "logp": 4.4, "fwd": 1.1}
+    fig, axes = plt.subplots(2, len(MODES), figsize=(5.2 * len(MODES), 7.5), squeeze=False)
+    width = 0.8 / len(impls)
+    for col, mode in enumerate(MODES):
+        for row, (key, label) in enumerate((("gemms", "time / one GEMM"), ("peak_extra_gib", "peak extra GiB"))):
+            ax = axes[row][col]
+            for k, impl in enumerate(impls):
+                vals = []
+                for shape in shapes:
+                    hit = [r for r in rows if r["shape"] == shape and r["mode"] == mode and r["impl"] == impl]
+                    vals.append(float(hit[0][key]) if hit else float("nan"))
+                ax.bar([x + k * width for x in range(len(shapes))], vals, width, label=impl)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes)
+            ax.set_ylabel(label)
+            if key == "gemms":
+                ax.axhline(targets[mode], color="k", ls="--", lw=1)
+                ax.set_title(f"{mode}: fwd+bwd" if mode != "fwd" else "fwd: no_grad")
+            else:
+                ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    gpu = rows[0].get("gpu", "")
+    fig.suptitle(f"LM-head losses on {gpu} (torch {rows[0].get('torch', '')}, bf16; dashed: target)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen7b,llama8b,qwen05b,long")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--compile-shapes", default="qwen7b,qwen05b",
+                    help="shapes where torch.compile runs (each costs a compilation per mode)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None, help="CSV path (appends rows)")
+    ap.add_argument("--micro", default="", help="shapes for the piecewise timing of the triton path")
+    ap.add_argument("--tradeoffs", default="", help="shapes for workspace / ignored-rows / launch sweeps")
+    ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
+    args = ap.parse_args(argv)
+    if args.plot:
+        return plot(*args.plot)
+    for shape in filter(None, args.tradeoffs.split(",")):
+        tradeoffs(shape)
+    if args.tradeoffs:
+        return
+    for shape in filter(None, args.micro.split(",")):
+        micro(shape)
+    if args.micro:
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_head.py needs a CUDA device")
+    import triton
+
+    dev = torch.device("cuda")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, date=datetime.date.today().isoformat(),
+                **{k.replace("-", "_"): v for k, v in _peer_versions().items()})
+    print("# " + " ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
+    fields = ["shape", "N", "H", "V", "mode", "impl", "ms", "gemm_ms", "gemms", "peak_extra_gib",
+              "err_out", "err_dh", "err_dw", "note", *meta.keys()]
+    rows = _Rows(args.out, fields)
+    for shape in args.shapes.split(","):
+        n, hd, v = SHAPES[shape]
+        gen = torch.Generator(device=dev).manual_seed(0)
+        # Realistic scales: normed hidden ~ N(0, 1), logits with std ~ 2.
+        h = torch.randn(n, hd, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(v, hd, device=dev, generator=gen) * (2.0 / math.sqrt(hd))).to(
+            torch.bfloat16).requires_grad_(True)
+        y = torch.randint(0, v, (n,), device=dev, generator=gen)
+        g1 = torch.randn(n, device=dev, generator=gen)
+        g2 = torch.randn(n, device=dev, generator=gen)
+        ref = reference64(h, w, y, g1, g2)
+        torch.cuda.empty_cache()
+        gemm = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), max(args.reps, 10), 3)
+        print(f"## {shape} N={n} H={hd} V={v}: one GEMM = {gemm:.2f} ms", flush=True)
+        for mode in args.modes.split(","):
+            for impl in args.impls.split(","):
+                base = dict(shape=shape, N=n, H=hd, V=v, mode=mode, impl=impl, gemm_ms=round(gemm, 3), **meta)
+                if impl == "compile" and shape not in args.compile_shapes.split(","):
+                    rows.append(dict(base, note="skipped: compile budget"))
+                    continue
+                f = build(impl, mode)
+                if isinstance(f, str):
+                    rows.append(dict(base, note=f))
+                    print(f"{shape:8s} {mode:4s} {impl:10s} {f}", flush=True)
+                    continue
+                try:
+                    r = measure(impl, mode, f, h, w, y, g1, g2, ref, args.reps, args.warmup)
+                    rows.append(dict(base, **r, note=""))
+                    print(f"{shape:8s} {mode:4s} {impl:10s} {r['ms']:8.2f} ms {r['gemms']:5.2f} GEMMs "
+                          f"{r['peak_extra_gib']:6.2f} GiB err {r.get('err_out', float('nan')):.2e} "
+                          f"{r.get('err_dh', float('nan')):.2e} {r.get('err_dw', float('nan')):.2e}",
+                          flush=True)
+                except torch.cuda.OutOfMemoryError:
+                    rows.append(dict(base, note="OOM"))
+                    print(f"{shape:8s} {mode:4s} {impl:10s} OOM", flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    rows.append(dict(base, note=f"error: {type(exc).__name__}: {exc}"[:160]))
+                h.grad = w.grad = None
+                del f
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+        h = w = y = g1 = g2 = ref = None
+        torch.cuda.empty_cache()
+    print("\nshape    mode impl          ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:10s} {r['ms']:7.1f} {r['gemms']:5.2f} "
+                  f"{r['peak_extra_gib']:5.2f} {r.get('err_out', float('nan')):.1e} "
+                  f"{r.get('err_dh', float('nan')):.1e} {r.get('err_dw', float('nan')):.1e}")
+        else:
+            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:10s} {r['note']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""Host side of the fused head: cuBLAS GEMMs over bounded tiles, Triton epilogues in between.
+
+Ignored rows are dropped first (``valid_rows``; one device->host sync for their count). Three
+paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
+
+* forward only (``head_forward``, the no-grad pass and the forward of ``linear_log_probs``):
+  (row block x V slab) tiles of logits, ``row_stats_kernel`` per tile and ``merge_slab_kernel``
+  folding it into a running per-row (max, sum, entropy) state. One GEMM in total.
+* recompute backward (``head_backward``, any per-token upstream): for each row block, V slabs of
+  recomputed logits -> ``dlogits_kernel`` in place -> ``dh_block += dl @ W[slab]`` (fp32
+  accumulator) and ``dW[slab] (+)= dl.T @ h_block`` (one rounding per row block). Three GEMMs.
+* cross-entropy with a scalar upstream (``ce_fused``): gradients computed in the forward. When the
+  valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, one pass per chunk:
+  logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
+  chunk). Otherwise the two passes above (4 GEMMs, dW rounded once per row block): more rounding
+  steps of dW cost more accuracy than plain PyTorch's at 152k vocabularies (measured,
+  docs/performance.md).
+
+Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTES``, 224 MiB;
+``F`` = ``FORWARD_WORKSPACE_BYTES``, 80 MiB)::
+
+    forward only:   rows_f * cols_f * itemsize <= F   (+ N * 28 bytes of per-row fp32 state/outputs)
+    recompute bwd:  rows_b * cols_b * itemsize + rows_b * H * 4 <= B   (+ rows_b * H * itemsize for
+                    the gathered rows when some are ignored)
+    fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk)
+
+At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 MiB), backward
+8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
+"""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from logitless.ops.triton import kernels
+
+_ENV = os.environ.get
+#: Bytes of the reused logits buffer when gradients are computed (training).
+WORKSPACE_BYTES = int(_ENV("LOGITLESS_TRITON_WORKSPACE_MB", "224")) << 20
+#: Bytes of the reused logits buffer for forward-only calls (no gradient).
+FORWARD_WORKSPACE_BYTES = int(_ENV("LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", "80")) << 20
+#: Cross-entropy with a scalar upstream uses the one-pass, 3-GEMM path when the valid rows fit in
+#: at most this many row chunks (dW is rounded once per chunk), else the 2-pass, 4-GEMM path.
+FUSED_MAX_CHUNKS = int(_ENV("LOGITLESS_TRITON_FUSED_MAX_CHUNKS", "8"))
+#: Forward-only tiles: at most this many rows per block, V slabs at least this wide.
+MAX_BLOCK_ROWS = 4096
+MIN_SLAB = 2048
+#: Columns per program iteration in the epilogue kernels (the CPU interpreter uses a small one).
+BLOCK_V = 64 if _ENV("TRITON_INTERPRET", "0") == "1" else int(_ENV("LOGITLESS_TRITON_BLOCK_V", "4096"))
+#: Load the next column block before reducing the current one in the row-statistics kernel.
+PREFETCH = _ENV("LOGITLESS_TRITON_PREFETCH", "1") == "1"
+#: Programs per SM targeted by the epilogue grids (rows x column splits).
+PROGRAMS_PER_SM = int(_ENV("LOGITLESS_TRITON_PROGRAMS_PER_SM", "8"))
+_NUM_WARPS = int(_ENV("LOGITLESS_TRITON_NUM_WARPS", "4"))
+
+
+def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per chunk so that a ``(rows, vocab)`` logits buffer fits ``budget`` bytes.
+
+    Rounded down to a multiple of 64 (whole GEMM tiles) once above 128 rows; at least 1.
+
+    Args:
+        n_rows (int): rows to process.
+        vocab (int): V.
+        itemsize (int): bytes per logit.
+        budget (int): bytes allowed for the buffer.
+
+    Returns:
+        int: rows per chunk, in ``[1, max(n_rows, 1)]``.
+
+    Example:
+        >>> chunk_rows(8192, 152064, 2, 224 << 20)
+        768
+    """
+    rows = max(1, budget // (vocab * itemsize))
+    if rows > 128:
+        rows -= rows % 64
+    return max(1, min(rows, n_rows))
+
+
+def _num_splits(rows: int, vocab: int, device: torch.device) -> Tuple[int, int]:
+    # Enough programs to keep every SM streaming even for small chunks: split rows over V.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    blocks = -(-vocab // BLOCK_V)
+    splits = max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // max(rows, 1)), 32))
+    span = -(-blocks // splits) * BLOCK_V
+    return -(-vocab // span), span
+
+
+def valid_rows(labels: torch.Tensor, ignore_index: int) -> Optional[torch.Tensor]:
+    """Indices of non-ignored rows, or ``None`` to process every row in place.
+
+    Compaction makes ignored rows free but needs their count on the host: one device->host
+    sync. It is skipped (ignored rows then cost as much as valid ones, with zero results) while a
+    CUDA graph is being captured or with ``LOGITLESS_TRITON_COMPACT=0``.
+
+    Args:
+        labels (torch.Tensor): ``(N,)`` int64.
+        ignore_index (int): the ignored label.
+
+    Returns:
+        Optional[torch.Tensor]: int64 indices, or ``None`` when no compaction is done.
+    """
+    if os.environ.get("LOGITLESS_TRITON_COMPACT", "1") == "0":
+        return None
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    idx = torch.nonzero(labels != ignore_index).squeeze(1)
+    return None if idx.numel() == labels.numel() else idx
+
+
+class _Chunks:
+    """Iterates row chunks: yields ``(h_c, idx_c, start, logits_view)`` over a reused buffer."""
+
+    def __init__(self, hidden, weight, idx, budget):
+        self.hidden, self.weight, self.idx = hidden, weight, idx
+        self.rows = hidden.shape[0] if idx is None else idx.numel()
+        vocab = weight.shape[0]
+        self.n_c = chunk_rows(self.rows, vocab, hidden.element_size(), budget)
+        self.buf = hidden.new_empty((self.n_c, vocab)) if self.rows else None
+        self.splits, self.span = _num_splits(self.n_c, vocab, hidden.device)
+        self.part = hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
+
+    def __iter__(self):
+        for start in range(0, self.rows, self.n_c):
+            end = min(start + self.n_c, self.rows)
+            if self.idx is None:
+                h_c, idx_c = self.hidden[start:end], None
+            else:
+                idx_c = self.idx[start:end]
+                h_c = self.hidden.index_select(0, idx_c)
+            logits = self.buf[: end - start]
+            torch.matmul(h_c, self.weight.t(), out=logits)
+            yield h_c, idx_c, start, logits
+
+
+def _row_stats(ch, logits, inv_t):
+    rows, vocab = logits.shape
+    kernels.row_stats_kernel[(rows, ch.splits)](
+        logits, logits.stride(0), ch.part, vocab, ch.span, inv_t,
+        NUM_SPLITS=ch.splits, BLOCK_V=BLOCK_V, PREFETCH=PREFETCH, num_warps=_NUM_WARPS,
+    )
+
+
+def _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index):
+    rows = logits.shape[0]
+    _row_stats(ch, logits, inv_t)
+    kernels.finalize_kernel[(rows,)](
+        logits, logits.stride(0), ch.part, labels, idx_c if idx_c is not None else labels, start,
+        logp, ent, lse, logits.shape[1], inv_t, ignore_index,
+        NUM_SPLITS=ch.splits, HAS_IDX=idx_c is not None, num_warps=1,
+    )
+
+
+def _dlogits(ch, logits, idx_c, start, labels, lse, ent, glp, gent, coef, inv_t, ignore_index, col0=0):
+    rows, vocab = logits.shape
+    dummy = lse
+    kernels.dlogits_kernel[(rows, ch.splits)](
+        logits, logits.stride(0), labels, idx_c if idx_c is not None else labels, start, lse,
+        ent if ent is not None else dummy, glp if glp is not None else dummy,
+        gent if gent is not None else dummy, coef if coef is not None else dummy,
+        vocab, col0, ch.span, inv_t, ignore_index,
+        MODE_CE=coef is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,
+        HAS_IDX=idx_c is not None, BLOCK_V=BLOCK_V, num_warps=_NUM_WARPS,
+    )
+
+
+def _grads(ch, logits, h_c, idx_c, start, dh, dw, first):
+    # dlogits is now in `logits`: the two gradient GEMMs, fp32 accumulation inside cuBLAS.
+    if dh is not None:
+        if idx_c is None:
+            torch.matmul(logits, ch.weight, out=dh[start : start + logits.shape[0]])
+        else:
+            dh.index_copy_(0, idx_c, torch.matmul(logits, ch.weight))
+    if dw is not None:
+        if first:
+            torch.matmul(logits.t(), h_c, out=dw)
+        else:
+            dw.addmm_(logits.t(), h_c)
+
+
+def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[int, int]:
+    """``(block_rows, slab_cols)`` of the forward-only tiles: ``rows*cols*itemsize <= budget``.
+
+    Forward-only passes need no full row at once, so they walk (row block x V slab) tiles with a
+    running softmax state per row: every GEMM stays large (4096 x 10240 at the 7B head) and the
+    weight is streamed once per row block instead of once per small row chunk.
+
+    Args:
+        rows (int): rows to process. vocab (int): V. itemsize (int): bytes per logit.
+        budget (int): bytes of the logits buffer.
+
+    Returns:
+        Tuple[int, int]: rows per block and columns per slab.
+
+    Example:
+        >>> forward_tiles(8192, 152064, 2, 80 << 20)
+        (4096, 10240)
+    """
+    block_rows = max(1, min(rows, MAX_BLOCK_ROWS))
+    cols = budget // (block_rows * itemsize)
+    cols = vocab if cols >= vocab else max(min(MIN_SLAB, vocab), cols - cols % 256 if cols > 256 else cols)
+    block_rows = max(1, min(rows, budget // (cols * itemsize)))
+    if block_rows > 128:
+        block_rows -= block_rows % 64
+    return block_rows, cols
+
+
+def head_forward(hidden, weight, labels, ignore_index: int, temperature: float):
+    """Per-token log-prob, entropy and LSE (fp32 ``(N,)`` each, 0 at ignored rows but ``lse``).
+
+    Walks (row block x V slab) tiles of at most ``FORWARD_WORKSPACE_BYTES`` of logits.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)`` contiguous.
+        weight (torch.Tensor): ``(V, H)`` contiguous.
+        labels (torch.Tensor): ``(N,)`` int64.
+        ignore_index (int): ignored label.
+        temperature (float): logits are divided by it.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``logp, ent, lse``.
+    """
+    return _forward(hidden, weight, labels, valid_rows(labels, ignore_index), ignore_index,
+                    1.0 / temperature)
+
+
+def _forward(hidden, weight, labels, idx, ignore_index, inv_t):
+    n, vocab = hidden.shape[0], weight.shape[0]
+    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    rows = n if idx is None else idx.numel()
+    if rows == 0:
+        return logp, ent, lse
+    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), FORWARD_WORKSPACE_BYTES)
+    buf = hidden.new_empty((block_rows * cols,))
+    state = hidden.new_empty((rows, 3), dtype=torch.float32)
+    z_y = hidden.new_zeros((rows,), dtype=torch.float32)
+    splits, span = _num_splits(block_rows, cols, hidden.device)
+    part = hidden.new_empty((block_rows, splits, 3), dtype=torch.float32)
+    ch = _Tile(splits, span, part)
+    for r0 in range(0, rows, block_rows):
+        r1 = min(r0 + block_rows, rows)
+        h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx[r0:r1])
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+            torch.matmul(h_b, weight[v0:v1].t(), out=logits)
+            if v1 - v0 != cols:  # the last, narrower slab
+                ch = _Tile(*_num_splits(block_rows, v1 - v0, hidden.device), part)
+            _row_stats(ch, logits, inv_t)
+            kernels.merge_slab_kernel[(r1 - r0,)](
+                logits, logits.stride(0), part, state, z_y, labels,
+                idx if idx is not None else labels, r0, v0, v1 - v0, inv_t, ignore_index,
+                NUM_SPLITS=ch.splits, HAS_IDX=idx is not None, FIRST=v0 == 0, num_warps=1,
+            )
+        ch = _Tile(splits, span, part)
+    block = 1024
+    kernels.finalize_state_kernel[(-(-rows // block),)](
+        state, z_y, labels, idx if idx is not None else labels, logp, ent, lse, rows, ignore_index,
+        HAS_IDX=idx is not None, BLOCK=block, num_warps=4,
+    )
+    return logp, ent, lse
+
+
+class _Tile:
+    """Launch geometry of the epilogue kernels for one logits buffer shape."""
+
+    def __init__(self, splits, span, part):
+        self.splits, self.span, self.part = splits, span, part
+
+
+def backward_tiles(rows: int, vocab: int, hid: int, itemsize: int, budget: int,
+                   need_dh: bool) -> Tuple[int, int]:
+    """``(block_rows, slab_cols)`` of the recompute backward, fp32 dh block included in ``budget``.
+
+    The backward walks V in slabs for each block of rows: ``dW[slab]`` comes from one GEMM over
+    the whole row block (one rounding per row block, not per small chunk) and dh accumulates in
+    fp32 across slabs. The fp32 ``(block_rows, H)`` accumulator takes at most half of
+    ``budget`` (fewer row blocks: fewer roundings of dW); the logits slab takes the rest.
+
+    Args:
+        rows (int): rows to process. vocab (int): V. hid (int): H. itemsize (int): bytes per logit.
+        budget (int): bytes for the logits slab and the fp32 dh block. need_dh (bool): dh wanted.
+
+    Returns:
+        Tuple[int, int]: rows per block and columns per slab.
+
+    Example:
+        >>> backward_tiles(8192, 152064, 3584, 2, 224 << 20, True)
+        (8192, 7168)
+    """
+    acc = hid * 4 if need_dh else 0
+    block = max(1, rows)
+    if acc:
+        block = min(block, max(64, budget // 2 // acc))
+    cols = max(0, budget - block * acc) // (block * itemsize)
+    if cols < min(MIN_SLAB, vocab):
+        cols = min(MIN_SLAB, vocab)
+        block = max(1, min(block, budget // (cols * itemsize + acc)))
+    cols = vocab if cols >= vocab else (cols - cols % 256 if cols > 256 else cols)
+    if block > 128:
+        block -= block % 64
+    return max(1, min(block, rows)), cols
+
+
+_OUT_DTYPE_OK = True
+
+
+def _acc32(acc, a, b, first):
+    # acc (fp32) [+]= a @ b with fp32 accumulation and no low-precision intermediate.
+    global _OUT_DTYPE_OK
+    if a.dtype == torch.float32:
+        torch.matmul(a, b, out=acc) if first else acc.addmm_(a, b)
+        return
+    if a.is_cuda and _OUT_DTYPE_OK:
+        try:  # bf16/fp16 inputs, fp32 output in one cuBLAS call (torch >= 2.8)
+            if first:
+                torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_OK = False
+    if a.is_cuda:  # older torch: a temporary in the input dtype, accumulated in fp32
+        res = torch.matmul(a, b)
+        acc.copy_(res) if first else acc.add_(res)
+    else:  # CPU (the interpreter tests): no mixed-dtype GEMM there
+        torch.matmul(a.float(), b.float(), out=acc) if first else acc.addmm_(a.float(), b.float())
+
+
+def head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index: int,
+                  temperature: float, need_dh: bool, need_dw: bool):
+    """Gradients of ``sum(g_logp * logp + g_ent * ent)`` w.r.t. hidden and weight (recompute).
+
+    Args:
+        hidden, weight, labels: as in :func:`head_forward`.
+        lse, ent (torch.Tensor): fp32 ``(N,)`` saved by the forward.
+        g_logp, g_ent (Optional[torch.Tensor]): fp32 ``(N,)`` upstream gradients (None: zero).
+        ignore_index (int), temperature (float): as in the forward.
+        need_dh, need_dw (bool): which gradients to compute.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``dh`` ``(N, H)`` and ``dw`` ``(V, H)`` in the inputs'
+        dtype (empty ``(0,)`` tensors for the ones not needed).
+    """
+    return _slab_backward(hidden, weight, labels, valid_rows(labels, ignore_index), lse,
+                          ent if g_ent is not None else None, g_logp, g_ent, None,
+                          1.0 / temperature, ignore_index, need_dh, need_dw)
+
+
+def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t, ignore_index,
+                   need_dh, need_dw):
+    rows = hidden.shape[0] if idx is None else idx.numel()
+    vocab, hid = weight.shape
+    dh = _grad_buffer(hidden, need_dh, zero=idx is not None or rows == 0)
+    dw = _grad_buffer(weight, need_dw, zero=rows == 0)
+    if rows == 0 or not (need_dh or need_dw):
+        return dh, dw
+    block, cols = backward_tiles(rows, vocab, hid, hidden.element_size(), WORKSPACE_BYTES, need_dh)
+    buf = hidden.new_empty((block * cols,))
+    dh32 = hidden.new_empty((block, hid), dtype=torch.float32) if need_dh else None
+    for bi, r0 in enumerate(range(0, rows, block)):
+        r1 = min(r0 + block, rows)
+        idx_b = None if idx is None else idx[r0:r1]
+        h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx_b)
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+            torch.matmul(h_b, weight[v0:v1].t(), out=logits)
+            tile = _Tile(*_num_splits(r1 - r0, v1 - v0, hidden.device), None)
+            _dlogits(tile, logits, idx_b, r0, labels, lse, ent, glp, gent, coef, inv_t,
+                     ignore_index, col0=v0)
+            if need_dh:
+                _acc32(dh32[: r1 - r0], logits, weight[v0:v1], first=v0 == 0)
+            if need_dw:
+                if bi == 0:
+                    torch.matmul(logits.t(), h_b, out=dw[v0:v1])
+                else:
+                    dw[v0:v1].addmm_(logits.t(), h_b)
+        if need_dh:
+            if idx is None:
+                dh[r0:r1].copy_(dh32[: r1 - r0])
+            else:
+                dh.index_copy_(0, idx_b, dh32[: r1 - r0].to(dh.dtype))
+    return dh, dw
+
+
+def _grad_buffer(like, needed, zero):
+    if not needed:
+        return like.new_empty((0,))
+    return torch.zeros_like(like) if zero else torch.empty_like(like)
+
+
+def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean: bool,
+             need_dh: bool, need_dw: bool):
+    """Cross-entropy with its gradients computed in the same pass (scalar upstream of 1).
+
+    Args:
+        hidden, weight, labels, ignore_index, temperature: as in :func:`head_forward`.
+        mean (bool): average over non-ignored tokens (else sum).
+        need_dh, need_dw (bool): which gradients to compute.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: fp32 scalar loss, ``dh``, ``dw`` (the
+        gradients of the loss itself; scale them by the upstream gradient in backward).
+    """
+    n = hidden.shape[0]
+    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    count = (labels != ignore_index).sum()
+    coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
+    idx = valid_rows(labels, ignore_index)
+    inv_t = 1.0 / temperature
+    rows = n if idx is None else idx.numel()
+    n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
+    if -(-rows // n_c) > FUSED_MAX_CHUNKS:
+        # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
+        # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
+        # row block of thousands of rows.
+        logp, _, lse = _forward(hidden, weight, labels, idx, ignore_index, inv_t)
+        dh, dw = _slab_backward(hidden, weight, labels, idx, lse, None, None, None, coef, inv_t,
+                                ignore_index, need_dh, need_dw)
+        return -(logp.sum() * coef), dh, dw
+    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES)
+    dh = _grad_buffer(hidden, need_dh, zero=idx is not None)
+    dw = _grad_buffer(weight, need_dw, zero=ch.rows == 0)
+    for i, (h_c, idx_c, start, logits) in enumerate(ch):
+        _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
+        _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)
+        _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None, i == 0)
+    loss = -(logp.sum() * coef)
+    return loss, dh, dw
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> None:
+    """``x *= g`` in place on the device, without a host sync; free when ``g == 1``.
+
+    Args:
+        x (torch.Tensor): contiguous tensor to scale (a gradient).
+        g (torch.Tensor): scalar tensor on the same device.
+    """
+    if x.numel() == 0:
+        return
+    block = 4096
+    g32 = g.reshape(()).to(torch.float32)
+    kernels.scale_kernel[(triton_cdiv(x.numel(), block),)](x, g32, x.numel(), BLOCK=block, num_warps=8)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

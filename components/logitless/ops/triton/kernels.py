@@ -1,0 +1,236 @@
+"""Triton epilogue kernels for the fused LM head.
+
+The GEMMs (logits, dh, dW) run in cuBLAS through ``torch.matmul``; these kernels do everything in
+between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
+
+* ``row_stats_kernel``: one pass over a row (split over ``NUM_SPLITS`` programs) computing, per
+  split, the running max ``m``, ``s = sum exp(z - m)`` and ``t = sum exp(z - m) (z - m)`` with
+  ``z = logit / T`` in fp32. Padded columns are ``-inf`` (never 0) and the running max starts at
+  ``-inf``.
+* ``merge_slab_kernel`` / ``finalize_state_kernel``: the forward-only path walks V in slabs and
+  folds each slab's statistics into a running per-row state, then finalizes it.
+* ``finalize_kernel``: merges the splits of a row into ``lse = m + log s``,
+  ``entropy = log s - t / s`` and ``logp = z[label] - lse`` (0 at ignored rows).
+* ``dlogits_kernel``: overwrites the logits of a chunk with the gradient w.r.t. the raw logits,
+  ``(1/T) * (c_lp (onehot - p) - c_ent p (log p + entropy))``, in the logits' dtype, in place.
+* ``scale_kernel``: multiplies a gradient in place by a scalar read on the device (skips when it
+  is 1), so the scalar-upstream regime needs no host sync and no second copy of dW.
+
+All row offsets are int64 (``N * V`` may exceed 2**31).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge(m_a, s_a, t_a, m_b, s_b, t_b):
+    # Merges two (max, sum exp(z-max), sum exp(z-max)(z-max)) triples; a side that has seen no
+    # finite value has m=-inf, s=0, t=0 and must contribute nothing (no -inf * 0 = NaN).
+    m = tl.maximum(m_a, m_b)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(m_a - ref)
+    w_b = tl.exp(m_b - ref)
+    t = w_a * (t_a + tl.where(s_a > 0, (m_a - ref) * s_a, 0.0)) + w_b * (
+        t_b + tl.where(s_b > 0, (m_b - ref) * s_b, 0.0)
+    )
+    s = w_a * s_a + w_b * s_b
+    return m, s, t
+
+
+@triton.jit
+def row_stats_kernel(
+    logits_ptr, stride_row, part_ptr, V, span, inv_t,
+    NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Grid ``(rows, NUM_SPLITS)``: partial softmax statistics of columns ``[split*span, +span)``.
+
+    Block-wide reductions (one exp per element); with ``PREFETCH`` the next block is loaded
+    before the current one is reduced, so two blocks of loads are in flight per program.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    start = split * span
+    end = tl.minimum(start + span, V)
+    offs = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    s = 0.0
+    t = 0.0
+    x_next = tl.load(base + start + offs, mask=start + offs < end, other=0.0)
+    for k in range(0, span, BLOCK_V):
+        cols = start + k + offs
+        mask = cols < end
+        if PREFETCH:
+            x = x_next
+            x_next = tl.load(base + cols + BLOCK_V, mask=cols + BLOCK_V < end, other=0.0)
+        else:
+            x = tl.load(base + cols, mask=mask, other=0.0)
+        z = tl.where(mask, x.to(tl.float32) * inv_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.exp(z - ref)
+        alpha = tl.exp(m - ref)
+        t = alpha * (t + tl.where(s > 0, (m - ref) * s, 0.0)) + tl.sum(tl.where(mask, e * (z - ref), 0.0), 0)
+        s = alpha * s + tl.sum(e, 0)
+        m = m_new
+    out = part_ptr + (row.to(tl.int64) * NUM_SPLITS + split) * 3
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, t)
+
+
+@triton.jit
+def merge_slab_kernel(
+    logits_ptr, stride_row, part_ptr, state_ptr, zy_ptr, labels_ptr, idx_ptr, row0,
+    v0, vlen, inv_t, ignore_index,
+    NUM_SPLITS: tl.constexpr, HAS_IDX: tl.constexpr, FIRST: tl.constexpr,
+):
+    """Grid ``(rows,)``: folds a V-slab's partial statistics into the running per-row state.
+
+    ``state`` is fp32 ``(rows_total, 3)`` indexed by (compacted) row ``row0 + row``; the label's
+    logit is captured when it falls inside the slab ``[v0, v0 + vlen)``.
+    """
+    row = tl.program_id(0)
+    srow = row.to(tl.int64) + row0
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + srow).to(tl.int64)
+    else:
+        orow = srow
+    part = part_ptr + row.to(tl.int64) * NUM_SPLITS * 3
+    m = tl.load(part)
+    s = tl.load(part + 1)
+    t = tl.load(part + 2)
+    for j in tl.static_range(1, NUM_SPLITS):
+        m, s, t = _merge(m, s, t, tl.load(part + 3 * j), tl.load(part + 3 * j + 1),
+                         tl.load(part + 3 * j + 2))
+    st = state_ptr + srow * 3
+    if not FIRST:
+        m, s, t = _merge(tl.load(st), tl.load(st + 1), tl.load(st + 2), m, s, t)
+    tl.store(st, m)
+    tl.store(st + 1, s)
+    tl.store(st + 2, t)
+    label = tl.load(labels_ptr + orow)
+    local = label - v0
+    inside = (label != ignore_index) & (local >= 0) & (local < vlen)
+    safe = tl.where(inside, local, 0).to(tl.int64)
+    z_y = tl.load(logits_ptr + row.to(tl.int64) * stride_row + safe).to(tl.float32) * inv_t
+    tl.store(zy_ptr + srow, z_y, mask=inside)
+
+
+@triton.jit
+def finalize_state_kernel(
+    state_ptr, zy_ptr, labels_ptr, idx_ptr, logp_ptr, ent_ptr, lse_ptr, n_rows, ignore_index,
+    HAS_IDX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid ``(cdiv(rows_total, BLOCK),)``: running state -> lse, entropy, logp at each token."""
+    srow = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = srow < n_rows
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + srow, mask=ok, other=0).to(tl.int64)
+    else:
+        orow = srow
+    m = tl.load(state_ptr + srow * 3, mask=ok, other=0.0)
+    s = tl.load(state_ptr + srow * 3 + 1, mask=ok, other=1.0)
+    t = tl.load(state_ptr + srow * 3 + 2, mask=ok, other=0.0)
+    z_y = tl.load(zy_ptr + srow, mask=ok, other=0.0)
+    label = tl.load(labels_ptr + orow, mask=ok, other=ignore_index)
+    valid = label != ignore_index
+    log_s = tl.log(s)
+    lse = m + log_s
+    tl.store(lse_ptr + orow, lse, mask=ok)
+    tl.store(logp_ptr + orow, tl.where(valid, z_y - lse, 0.0), mask=ok)
+    tl.store(ent_ptr + orow, tl.where(valid, log_s - t / s, 0.0), mask=ok)
+
+
+@triton.jit
+def finalize_kernel(
+    logits_ptr, stride_row, part_ptr, labels_ptr, idx_ptr, row_offset,
+    logp_ptr, ent_ptr, lse_ptr, V, inv_t, ignore_index,
+    NUM_SPLITS: tl.constexpr, HAS_IDX: tl.constexpr,
+):
+    """Grid ``(rows,)``: merges the splits of a row, writes logp / entropy / lse at its token."""
+    row = tl.program_id(0)
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + row).to(tl.int64)
+    else:
+        orow = row.to(tl.int64) + row_offset
+    part = part_ptr + row.to(tl.int64) * NUM_SPLITS * 3
+    m = tl.load(part)
+    s = tl.load(part + 1)
+    t = tl.load(part + 2)
+    for j in tl.static_range(1, NUM_SPLITS):
+        m, s, t = _merge(m, s, t, tl.load(part + 3 * j), tl.load(part + 3 * j + 1),
+                         tl.load(part + 3 * j + 2))
+    log_s = tl.log(s)
+    lse = m + log_s
+    ent = log_s - t / s
+    label = tl.load(labels_ptr + orow)
+    valid = label != ignore_index
+    # Labels are range-checked before any launch; the clamp only keeps the read in bounds.
+    safe = tl.where(valid & (label >= 0) & (label < V), label, 0).to(tl.int64)
+    z_y = tl.load(logits_ptr + row.to(tl.int64) * stride_row + safe).to(tl.float32) * inv_t
+    tl.store(lse_ptr + orow, lse)
+    tl.store(logp_ptr + orow, tl.where(valid, z_y - lse, 0.0))
+    tl.store(ent_ptr + orow, tl.where(valid, ent, 0.0))
+
+
+@triton.jit
+def dlogits_kernel(
+    logits_ptr, stride_row, labels_ptr, idx_ptr, row_offset, lse_ptr, ent_ptr,
+    glp_ptr, gent_ptr, coef_ptr, V, col0, span, inv_t, ignore_index,
+    MODE_CE: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+    HAS_IDX: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Grid ``(rows, splits)``: logits -> d(objective)/d(logits), in place.
+
+    The buffer holds columns ``[col0, col0 + V)`` of the full vocabulary (a V slab, or all of it).
+
+    ``MODE_CE``: objective ``coef * sum(-logp)`` (``coef`` a device scalar: 1/n_valid or 1).
+    Otherwise: ``sum(g_logp * logp + g_ent * entropy)`` with per-token upstream gradients.
+    """
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + row).to(tl.int64)
+    else:
+        orow = row.to(tl.int64) + row_offset
+    label = tl.load(labels_ptr + orow)
+    valid = label != ignore_index
+    lse = tl.load(lse_ptr + orow)
+    if MODE_CE:
+        c_lp = -tl.load(coef_ptr).to(tl.float32)
+    elif HAS_GLP:
+        c_lp = tl.load(glp_ptr + orow).to(tl.float32)
+    else:
+        c_lp = 0.0
+    c_lp = tl.where(valid, c_lp, 0.0) * inv_t
+    c_ent = 0.0
+    ent = 0.0
+    if HAS_GENT:
+        c_ent = tl.where(valid, tl.load(gent_ptr + orow).to(tl.float32), 0.0) * inv_t
+        ent = tl.load(ent_ptr + orow)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    start = split * span
+    offs = tl.arange(0, BLOCK_V)
+    for k in range(0, span, BLOCK_V):
+        cols = start + k + offs
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=0.0)
+        logp = x.to(tl.float32) * inv_t - lse
+        p = tl.exp(logp)
+        g = tl.where(cols + col0 == label, c_lp, 0.0) - c_lp * p
+        if HAS_GENT:
+            g -= c_ent * p * (logp + ent)
+        tl.store(base + cols, g.to(x.dtype), mask=mask)
+
+
+@triton.jit
+def scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    """``x *= g`` in place, ``g`` a device scalar; a no-op (no memory traffic) when ``g == 1``."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x.dtype), mask=mask)

@@ -1,0 +1,293 @@
+"""The fused Triton head against the float64 reference, on small odd shapes.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter. Triton picks interpreted
+or compiled kernels when it is first imported, so ``TRITON_INTERPRET=1`` must be set before
+anything imports it: this module sets it (and restores it) around its own imports. When another
+test module imported triton first (torchtune/torchao do), the whole module reruns itself in a
+subprocess with the variable set (``test_kernels_in_an_interpreter_subprocess``) and the in-process
+copies of the tests are skipped.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+_prev = os.environ.get("TRITON_INTERPRET")
+_SUBPROCESS = not _CUDA and "triton" in sys.modules and _prev != "1"
+if not _CUDA and not _SUBPROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    from logitless.ops.triton import head, kernels  # noqa: E402
+
+    if not _CUDA and not _SUBPROCESS and type(kernels.row_stats_kernel).__name__ != "InterpretedFunction":
+        kernels = importlib.reload(kernels)
+        head = importlib.reload(head)
+    import logitless  # noqa: E402
+    from logitless.ops import reference  # noqa: E402
+    from logitless.ops import triton as T  # noqa: E402
+finally:
+    if _prev is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _prev
+
+
+@pytest.mark.skipif(not _SUBPROCESS, reason="the kernels run in this process")
+def test_kernels_in_an_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout
+
+
+DEV = "cuda" if _CUDA else "cpu"
+IGN = -100
+TOL = 1e-4  # fp32 inputs: logits of |z| ~ 80 carry ~1e-5 relative rounding
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch, request):
+    if _SUBPROCESS and request.node.name != "test_kernels_in_an_interpreter_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: run in the subprocess test")
+    if _SUBPROCESS:
+        return
+    if not _CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(head, "BLOCK_V", 64)
+    # Small buffers so that every test crosses several row chunks and column splits.
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", 24 * 64 * 4)
+    monkeypatch.setattr(head, "FORWARD_WORKSPACE_BYTES", 16 * 64 * 4)
+    monkeypatch.setattr(head, "MAX_BLOCK_ROWS", 8)
+    monkeypatch.setattr(head, "MIN_SLAB", 32)
+
+
+@pytest.fixture(params=[1000, 0], ids=["fused", "twopass"])
+def ce_path(monkeypatch, request):
+    # 1000: the one-pass 3-GEMM cross-entropy; 0: the two-pass slab path (forward + backward).
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", request.param)
+    return request.param
+
+
+@pytest.fixture(params=[True, False], ids=["prefetch", "noprefetch"])
+def stats_kernel(monkeypatch, request):
+    monkeypatch.setattr(head, "PREFETCH", request.param)
+    return request.param
+
+
+def _inputs(n, h, v, dtype=torch.float32, ignore_frac=0.25, seed=0, negative=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (2.0 / h**0.5)
+    if negative:
+        # A constant feature with a large negative weight: every logit is negative.
+        hidden[:, 0] = 1.0
+        weight[:, 0] = -40.0 - weight[:, 0].abs()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_frac] = IGN
+    cast = lambda t: t.to(dtype).to(DEV).requires_grad_(True)  # noqa: E731
+    return cast(hidden), cast(weight), labels.to(DEV)
+
+
+def _ref64(hidden, weight):
+    return (hidden.detach().double().cpu().requires_grad_(True),
+            weight.detach().double().cpu().requires_grad_(True))
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("v,temperature,negative", [(151, 1.0, False), (37, 0.7, True), (200, 1.3, False)])
+def test_log_probs_forward_backward_any_upstream(v, temperature, negative, stats_kernel):
+    hidden, weight, labels = _inputs(29, 24, v, negative=negative, seed=v)
+    logp, ent = T.linear_log_probs(hidden, weight, labels, ignore_index=IGN,
+                                   temperature=temperature, return_entropy=True)
+    h64, w64 = _ref64(hidden, weight)
+    rlogp, rent = reference.log_probs(h64, w64, labels.cpu(), ignore_index=IGN, temperature=temperature)
+    assert logp.dtype == torch.float32 and logp.shape == (29,)
+    assert _rel(logp, rlogp) < TOL and _rel(ent, rent) < TOL
+    ignored = (labels == IGN).cpu()
+    assert (logp.detach().cpu()[ignored] == 0).all() and (ent.detach().cpu()[ignored] == 0).all()
+    g1 = torch.randn(29, dtype=torch.float64)
+    g2 = torch.randn(29, dtype=torch.float64)
+    (logp * g1.float().to(DEV) + ent * g2.float().to(DEV)).sum().backward()
+    ((rlogp * g1) + (rent * g2)).sum().backward()
+    assert _rel(hidden.grad, h64.grad) < TOL
+    assert _rel(weight.grad, w64.grad) < TOL
+
+
+def test_log_probs_without_entropy_and_single_upstream():
+    hidden, weight, labels = _inputs(17, 16, 99, seed=3)
+    logp, ent = T.linear_log_probs(hidden, weight, labels, ignore_index=IGN, temperature=1.0,
+                                   return_entropy=False)
+    assert ent is None
+    (logp * 3.0).sum().backward()
+    h64, w64 = _ref64(hidden, weight)
+    rlogp, _ = reference.log_probs(h64, w64, labels.cpu(), ignore_index=IGN, return_entropy=False)
+    (rlogp * 3.0).sum().backward()
+    assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
+
+
+def test_entropy_only_upstream_and_frozen_weight():
+    hidden, weight, labels = _inputs(21, 16, 75, seed=4)
+    weight.requires_grad_(False)
+    _, ent = T.linear_log_probs(hidden, weight, labels, ignore_index=IGN, temperature=0.9,
+                                return_entropy=True)
+    ent.mean().backward()
+    h64, _ = _ref64(hidden, weight)
+    _, rent = reference.log_probs(h64, weight.double().cpu(), labels.cpu(), ignore_index=IGN,
+                                  temperature=0.9)
+    rent.mean().backward()
+    assert weight.grad is None
+    assert _rel(hidden.grad, h64.grad) < TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_cross_entropy_matches_float64(reduction, temperature, ce_path):
+    hidden, weight, labels = _inputs(31, 20, 131, seed=11)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction=reduction,
+                                  temperature=temperature)
+    h64, w64 = _ref64(hidden, weight)
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction=reduction,
+                                  temperature=temperature)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert _rel(loss, ref) < TOL
+    up = torch.randn(ref.shape, dtype=torch.float64) if reduction == "none" else torch.tensor(2.5)
+    (loss * up.float().to(DEV)).sum().backward()
+    (ref * up.double()).sum().backward()
+    assert _rel(hidden.grad, h64.grad) < TOL
+    assert _rel(weight.grad, w64.grad) < TOL
+
+
+def test_cross_entropy_all_ignored_is_zero_with_zero_grads(ce_path):
+    hidden, weight, labels = _inputs(9, 8, 33, seed=5)
+    labels = torch.full_like(labels, IGN)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                  temperature=1.0)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+
+
+@pytest.mark.parametrize("compact", ["0", "1"])
+def test_cross_entropy_no_grad_and_uncompacted_paths(monkeypatch, compact, ce_path):
+    monkeypatch.setenv("LOGITLESS_TRITON_COMPACT", compact)
+    hidden, weight, labels = _inputs(19, 12, 65, seed=6, ignore_frac=0.5)
+    h64, w64 = _ref64(hidden, weight)
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction="mean")
+    with torch.no_grad():
+        loss_ng = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                         temperature=1.0)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                  temperature=1.0)
+    loss.backward()
+    ref.backward()
+    assert _rel(loss_ng, ref) < TOL and _rel(loss, ref) < TOL
+    assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
+
+
+def test_second_backward_through_fused_ce_raises():
+    hidden, weight, labels = _inputs(8, 8, 21, seed=7)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="sum",
+                                  temperature=1.0)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_within_plain_pytorch(dtype, ce_path):
+    hidden, weight, labels = _inputs(40, 32, 157, dtype=dtype, seed=8)
+    h64, w64 = _ref64(hidden, weight)
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN)
+    ref.backward()
+    hp, wp = (t.detach().clone().requires_grad_(True) for t in (hidden, weight))
+    plain = reference.cross_entropy(hp, wp, labels, ignore_index=IGN)  # logits in dtype, loss fp32
+    plain.backward()
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                  temperature=1.0)
+    loss.backward()
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+    for ours, theirs, exact in ((loss, plain, ref), (hidden.grad, hp.grad, h64.grad),
+                                (weight.grad, wp.grad, w64.grad)):
+        assert _rel(ours, exact) <= 1.5 * _rel(theirs, exact) + 1e-6
+
+
+def test_public_api_impl_triton_and_noncontiguous():
+    hidden, weight, labels = _inputs(2 * 13, 16, 57, seed=9)
+    h3 = hidden.detach().reshape(2, 13, 16).transpose(0, 1).requires_grad_(True)  # non-contiguous
+    y2 = labels.reshape(2, 13).t()
+    logp, ent = logitless.linear_log_probs(h3, weight, y2, impl="triton", temperature=0.8)
+    rlogp, rent = reference.log_probs(h3.detach().double().cpu(), weight.detach().double().cpu(),
+                                      y2.cpu(), temperature=0.8)
+    assert logp.shape == (13, 2) and _rel(logp, rlogp) < TOL and _rel(ent, rent) < TOL
+    loss = logitless.linear_cross_entropy(h3, weight, y2, impl="triton")
+    assert _rel(loss, reference.cross_entropy(h3.detach().double().cpu(),
+                                              weight.detach().double().cpu(), y2.cpu())) < TOL
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    hidden, weight, labels = _inputs(16, 16, 45, seed=10)
+
+    def step(h, w, y):
+        ce = T.linear_cross_entropy(h, w, y, ignore_index=IGN, reduction="mean", temperature=1.0)
+        logp, ent = T.linear_log_probs(h, w, y, ignore_index=IGN, temperature=0.7,
+                                       return_entropy=True)
+        return ce + (logp * 0.3).sum() + ent.mean()
+
+    step(hidden, weight, labels).backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(hidden, weight, labels)
+    out.backward()
+    assert _rel(hidden.grad, gh) < 1e-6 and _rel(weight.grad, gw) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(weight_dtype=torch.float16), "weight.dtype"),
+        (dict(dtype=torch.float64), "hidden.dtype"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(h_cols=7), "shapes"),
+    ],
+)
+def test_bad_input_raises_before_kernels(kwargs, match):
+    dtype = kwargs.get("dtype", torch.float32)
+    hidden = torch.randn(4, kwargs.get("h_cols", 8), dtype=dtype, device=DEV)
+    weight = torch.randn(11, 8, dtype=kwargs.get("weight_dtype", dtype), device=DEV)
+    labels = torch.zeros(4, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=match):
+        T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN,
+                               reduction=kwargs.get("reduction", "mean"),
+                               temperature=kwargs.get("temperature", 1.0))
+
+
+def test_tile_formulas(monkeypatch):
+    monkeypatch.setattr(head, "MAX_BLOCK_ROWS", 4096)
+    monkeypatch.setattr(head, "MIN_SLAB", 2048)
+    assert head.forward_tiles(8192, 152064, 2, 80 << 20) == (4096, 10240)
+    assert head.forward_tiles(100, 50, 4, 1 << 20) == (100, 50)
+    rows, cols = head.forward_tiles(64, 1000, 4, 4096)
+    assert rows * cols * 4 <= 4096 and rows >= 1
+    assert T.chunk_rows(8192, 152064, 2, 224 << 20) == 768
+    assert head.backward_tiles(8192, 152064, 3584, 2, 224 << 20, True) == (8192, 7168)
+    block, cols = head.backward_tiles(29, 151, 24, 4, 6144, True)
+    assert block * (cols * 4 + 24 * 4) <= 6144 and block >= 1
+    assert T.chunk_rows(10, 152064, 2, 192 << 20) == 10
+    assert T.chunk_rows(5, 10**9, 4, 1) == 1
