@@ -89,6 +89,10 @@ class LinearCrossEntropyLoss(HeadLoss):
         reduction (str): ``"mean"`` over non-ignored tokens or ``"sum"``. Default ``"mean"``.
         temperature (float): divides the logits. Default 1.0.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+        num_output_chunks (Optional[int]): accepted and ignored, so that a config written for
+            ``CEWithChunkedOutputLoss`` switches to this loss with the single override
+            ``loss._component_=logitless.losses.LinearCrossEntropyLoss``; the fused head sizes its
+            own chunks from a memory budget.
 
     Example:
         >>> loss_fn = LinearCrossEntropyLoss(impl="triton")
@@ -103,8 +107,10 @@ class LinearCrossEntropyLoss(HeadLoss):
         reduction: str = "mean",
         temperature: float = 1.0,
         chunk_size: Optional[int] = None,
+        num_output_chunks: Optional[int] = None,
     ):
         super().__init__()
+        del num_output_chunks  # see the docstring: config compatibility only
         _validate.check_impl(impl)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")

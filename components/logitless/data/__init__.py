@@ -1,0 +1,32 @@
+"""Datasets, the bundled tiny assets (tokenizer, checkpoint, toy data) and synthetic data."""
+
+from logitless.data._alpaca import alpaca_dataset, tiny_alpaca_dataset
+from logitless.data._assets import (
+    ASSETS_DIR,
+    TINY_ALPACA_FILES,
+    TINY_CHECKPOINT_DIR,
+    TINY_TOKENIZER_DIR,
+    asset_path,
+    tiny_qwen2_5_tokenizer,
+)
+from logitless.data._synthetic import (
+    SyntheticDataset,
+    SyntheticTokenizer,
+    synthetic_dataset,
+    synthetic_tokenizer,
+)
+
+__all__ = [
+    "ASSETS_DIR",
+    "TINY_ALPACA_FILES",
+    "TINY_CHECKPOINT_DIR",
+    "TINY_TOKENIZER_DIR",
+    "SyntheticDataset",
+    "SyntheticTokenizer",
+    "alpaca_dataset",
+    "asset_path",
+    "synthetic_dataset",
+    "synthetic_tokenizer",
+    "tiny_alpaca_dataset",
+    "tiny_qwen2_5_tokenizer",
+]

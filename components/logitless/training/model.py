@@ -1,0 +1,151 @@
+"""Model set-up: build from config in a dtype, load weights with named mismatches, LoRA, AC, compile."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config as tt_config
+from torchtune import modules as tt_modules
+from torchtune import training as tt_training
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+)
+
+
+class CheckpointMismatchError(ValueError):
+    """The weights on disk do not fit the model built from the config."""
+
+
+def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Instantiates ``model`` from config directly in ``dtype`` on ``device``.
+
+    Args:
+        model_cfg (DictConfig): ``_component_`` node of a model builder.
+        device (torch.device): where the parameters live (``meta`` for FSDP2 deferred init).
+        dtype (torch.dtype): parameter dtype.
+
+    Returns:
+        nn.Module: the model (randomly initialised).
+
+    Example:
+        >>> build_model(OmegaConf.create({"_component_": "logitless.models.qwen2_5_tiny"}),
+        ...             device=torch.device("cpu"), dtype=torch.float32)
+    """
+    with tt_training.set_default_dtype(dtype), device:
+        return tt_config.instantiate(model_cfg)
+
+
+def check_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,
+                     allow_missing: Optional[Iterable[str]] = None, source: str = "checkpoint") -> None:
+    """Raises naming the first tensor whose name or shape does not match the model.
+
+    Args:
+        model (nn.Module): the model.
+        state_dict (Dict[str, torch.Tensor]): weights to load.
+        allow_missing (Optional[Iterable[str]]): model keys that may be absent (LoRA adapters).
+        source (str): where the weights come from, for the message.
+
+    Raises:
+        CheckpointMismatchError: naming the tensor, the expected and the found shape.
+
+    Example:
+        >>> check_state_dict(model, ckpt_sd, allow_missing=adapter_keys)
+    """
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    allowed = set(allow_missing or ())
+    for k, v in state_dict.items():
+        if k not in expected:
+            raise CheckpointMismatchError(
+                f"{source}: tensor {k!r} (shape {tuple(v.shape)}) is not in the model built from the config; "
+                f"the config's model does not match the checkpoint"
+            )
+        if tuple(v.shape) != expected[k]:
+            raise CheckpointMismatchError(
+                f"{source}: tensor {k!r} has shape {tuple(v.shape)}, the model expects {expected[k]}; "
+                f"the config's model does not match the checkpoint"
+            )
+    for k in expected:
+        if k not in state_dict and k not in allowed:
+            raise CheckpointMismatchError(f"{source}: the model's tensor {k!r} is missing from the checkpoint")
+
+
+def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,
+                 allow_missing: Optional[Iterable[str]] = None, source: str = "checkpoint") -> None:
+    """:func:`check_state_dict` then ``load_state_dict`` (``strict`` unless adapters may be missing)."""
+    check_state_dict(model, state_dict, allow_missing=allow_missing, source=source)
+    model.load_state_dict(state_dict, strict=not allow_missing)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Checkpoints every transformer layer (torchtune's ``set_activation_checkpointing``)."""
+    tt_training.set_activation_checkpointing(model, auto_wrap_policy={tt_modules.TransformerSelfAttentionLayer})
+
+
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` per transformer layer (torchtune's ``compile_model``)."""
+    tt_training.compile_model(model, verbose=False)
+
+
+def setup_lora(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """Freezes everything but the LoRA adapters.
+
+    Args:
+        model (nn.Module): a model built by a ``lora_*`` builder.
+
+    Returns:
+        Dict[str, nn.Parameter]: the adapter parameters.
+
+    Raises:
+        ValueError: if the model has no adapters.
+    """
+    params = get_adapter_params(model)
+    if not params:
+        raise ValueError("model: LoRA recipe needs a model with LoRA adapters (a lora_* builder); found none")
+    set_trainable_params(model, params)
+    return params
+
+
+def adapter_config(model_cfg: DictConfig) -> Dict[str, Any]:
+    """torchtune's adapter config (rank, alpha, target modules) from the model's config."""
+    return {
+        "r": model_cfg.lora_rank,
+        "lora_alpha": model_cfg.lora_alpha,
+        "target_modules": get_lora_module_names(
+            list(model_cfg.lora_attn_modules), model_cfg.get("apply_lora_to_mlp", False),
+            model_cfg.get("apply_lora_to_output", False)),
+        "peft_type": "LORA",
+    }
+
+
+def lora_states(full_sd: Dict[str, torch.Tensor], model_cfg: DictConfig, merge: bool):
+    """Splits a LoRA model's full state dict into (adapter weights, merged weights or None).
+
+    Args:
+        full_sd (Dict[str, torch.Tensor]): the LoRA model's full (gathered) state dict on CPU.
+        model_cfg (DictConfig): the model node (``lora_rank``, ``lora_alpha``).
+        merge (bool): also return the base weights with the adapters merged in (torchtune's
+            ``get_merged_lora_ckpt``), loadable by the plain (non-LoRA) model builder.
+
+    Returns:
+        tuple: ``(adapter_state, merged_state | None)``.
+    """
+    adapter = get_adapter_state_dict(full_sd, device=None)
+    merged = None
+    if merge:
+        merged = get_merged_lora_ckpt({k: v.clone() for k, v in full_sd.items()},
+                                      rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha)
+    return adapter, merged
+
+
+def count_params(model: nn.Module) -> Dict[str, int]:
+    """``{"params": total, "trainable_params": trainable}``."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params": total, "trainable_params": trainable}

@@ -1,0 +1,341 @@
+"""The SFT recipe body shared by ``full_sft_single_device``, ``lora_sft_single_device`` and
+``full_sft_distributed``: the recipe files only choose ``lora`` and ``distributed``.
+
+Order of set-up (nothing is built before the whole config is validated):
+validate config -> process group / device / seed -> tokenizer -> model (+ weights) -> LoRA freeze ->
+loss protocol (``loss_fn.set_model_output``) -> activation checkpointing -> compile -> FSDP2 ->
+optimizer / LR schedule -> data -> resume state -> train loop (TrainStep) -> checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torchtune import config as tt_config
+from torchtune import modules as tt_modules
+from torchtune import training as tt_training
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+
+from logitless.training import model as model_utils
+from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
+from logitless.training.config import ConfigError, Key, config_summary, validate_config
+from logitless.training.data import batch_to_device, build_dataloader
+from logitless.training.metric_logging import build_metric_logger
+from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
+from logitless.training.sft import SFTObjective
+from logitless.training.step import TrainStep
+
+SFT_SCHEMA: Dict[str, Key] = {
+    "output_dir": Key(str, doc="folder for checkpoints and logs"),
+    "model": Key(component=True, doc="model builder"),
+    "tokenizer": Key(component=True, doc="tokenizer builder"),
+    "dataset": Key(component=True, positional=1, doc="dataset builder, called with the tokenizer"),
+    "loss": Key(component=True, doc="a logitless.losses component"),
+    "optimizer": Key(component=True, positional=1, doc="optimizer, called with the parameters"),
+    "lr_scheduler": Key((None,), default=None, component=True, positional=1, supplied=("num_training_steps",),
+                        doc="called with the optimizer (and num_training_steps unless set)"),
+    "checkpointer": Key((None,), default=None, component=True),
+    "metric_logger": Key((None,), default=None, component=True),
+    "model_init": Key(str, default="checkpoint", choices=("checkpoint", "random"),
+                      doc="'random' skips loading weights (benchmarks, machines without downloads)"),
+    "resume_from_checkpoint": Key((bool, str), default=False, choices=(True, False, "auto"),
+                                  doc="resume from the newest complete checkpoint in output_dir"),
+    "seed": Key(int, default=0),
+    "shuffle": Key(bool, default=True),
+    "batch_size": Key(int, default=2, min=1, doc="micro-batch size per device"),
+    "gradient_accumulation_steps": Key(int, default=1, min=1),
+    "epochs": Key(int, default=1, min=1),
+    "max_steps_per_epoch": Key((int, None), default=None, min=1),
+    "max_steps": Key((int, None), default=None, min=1, doc="stop after this many optimizer steps in total"),
+    "clip_grad_norm": Key((float, None), default=None),
+    "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
+    "device": Key(str, default="auto", doc="'auto' (cuda if available), 'cpu', 'cuda'"),
+    "enable_activation_checkpointing": Key(bool, default=False),
+    "compile": Key(bool, default=False),
+    "log_every_n_steps": Key(int, default=1, min=1),
+    "save_every_n_steps": Key((int, None), default=None, min=1),
+    "save_final_checkpoint": Key(bool, default=True),
+    "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
+    "num_workers": Key(int, default=0, min=0),
+}
+LORA_KEYS: Dict[str, Key] = {
+    "merge_adapters": Key(bool, default=False,
+                          doc="also save the base weights with the adapters merged (HF format)"),
+}
+DISTRIBUTED_KEYS: Dict[str, Key] = {
+    "fsdp_cpu_offload": Key(bool, default=False),
+    "fsdp_reshard_after_forward": Key(bool, default=True),
+}
+
+
+def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: bool = False) -> DictConfig:
+    """Validates an SFT config (see :data:`SFT_SCHEMA`) before anything is built.
+
+    Args:
+        cfg (DictConfig): the config.
+        lora (bool): LoRA recipe (adds ``merge_adapters``; the model must be a ``lora_*`` builder).
+        distributed (bool): FSDP2 recipe (adds ``fsdp_*`` keys).
+
+    Returns:
+        DictConfig: ``cfg`` with defaults filled in.
+
+    Raises:
+        ConfigError: naming the key.
+
+    Example:
+        >>> validate_sft_config(OmegaConf.load("configs/tiny_full.yaml"))
+    """
+    schema = dict(SFT_SCHEMA)
+    if lora:
+        schema.update(LORA_KEYS)
+    if distributed:
+        schema.update(DISTRIBUTED_KEYS)
+    init = cfg.get("model_init", "checkpoint")
+    skip = ("checkpointer",) if init == "random" else ()
+    validate_config(cfg, schema, skip_file_checks=skip)
+    if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
+        raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' "
+                          "(or set model_init=random)")
+    if lora:
+        for k in ("lora_rank", "lora_alpha", "lora_attn_modules"):
+            if k not in cfg.model:
+                raise ConfigError(f"config key 'model.{k}': the LoRA recipe needs a lora_* model builder "
+                                  f"(got {cfg.model._component_!r} without {k})")
+    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
+        raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
+    return cfg
+
+
+class SFTRecipe:
+    """Full or LoRA supervised fine-tuning, on one device or with FSDP2.
+
+    Args:
+        cfg (DictConfig): the recipe config (validated here).
+        lora (bool): train LoRA adapters only (base frozen), save them separately.
+        distributed (bool): FSDP2 over all ranks of the process group (``tune run --nproc_per_node``).
+
+    Example:
+        >>> SFTRecipe(OmegaConf.load("configs/tiny_full.yaml")).run()
+    """
+
+    def __init__(self, cfg: DictConfig, *, lora: bool = False, distributed: bool = False):
+        self.cfg = validate_sft_config(cfg, lora=lora, distributed=distributed)
+        self.lora, self.distributed = lora, distributed
+        self.losses: List[float] = []  # loss of every optimizer step run by this process
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_runtime(self) -> None:
+        cfg = self.cfg
+        if self.distributed:
+            if not (dist.is_available() and dist.is_initialized()):
+                backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+                dist.init_process_group(backend=backend)
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        else:
+            self.world_size, self.rank = 1, 0
+        self.is_rank_zero = self.rank == 0
+        dev = cfg.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cuda":
+            # An explicit index: torch.cuda.set_device rejects a bare "cuda" (found on the GPU machine;
+            # the CPU-only CI never reaches this line).
+            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.distributed else f"cuda:{torch.cuda.current_device()}"
+        self.device = torch.device(dev)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
+        self.seed = tt_training.set_seed(cfg.seed)
+
+    def _setup_model(self, resume_dir) -> None:
+        cfg = self.cfg
+        self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
+                                      cfg.output_dir, is_rank_zero=self.is_rank_zero,
+                                      keep_last_n=cfg.keep_last_n_checkpoints)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype)
+        adapter_keys = [k for k in model.state_dict() if "lora_" in k or "magnitude" in k] if self.lora else None
+        if cfg.model_init == "checkpoint" or (resume_dir is not None and not self.lora):
+            sd = self.ckpt.load_model_state(resume_dir, base_only=self.lora)
+            model_utils.load_weights(model, sd, allow_missing=adapter_keys,
+                                     source=str(resume_dir or cfg.checkpointer.checkpoint_dir))
+            del sd
+        if self.lora:
+            if resume_dir is not None:
+                model_utils.load_weights(
+                    model, self.ckpt.load_adapter_state(resume_dir),
+                    allow_missing=[k for k in model.state_dict() if k not in adapter_keys], source=str(resume_dir))
+            model_utils.setup_lora(model)
+        self.loss_fn = tt_config.instantiate(cfg.loss)
+        self.objective = SFTObjective(model, self.loss_fn)  # calls loss_fn.set_model_output(model)
+        if cfg.enable_activation_checkpointing:
+            model_utils.apply_activation_checkpointing(model)
+        if cfg.compile:
+            model_utils.compile_layers(model)
+        if self.distributed:
+            tt_training.shard_model(
+                model, [lambda n, m: isinstance(m, tt_modules.TransformerSelfAttentionLayer)],
+                cpu_offload=cfg.fsdp_cpu_offload, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+            # The loss projects the final hidden states with the head weight AFTER the model's forward
+            # (HeadInput). The root FSDP unit owns the embedding / tied head: keep it unsharded from its
+            # forward to its backward so that weight stays valid; its gradient is reduce-scattered at the
+            # end of backward as usual.
+            model.set_reshard_after_forward(False, recurse=False)
+        self.model = model
+
+    def _setup_optim(self, recipe_state: Optional[Dict[str, Any]]) -> None:
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = tt_config.instantiate(cfg.optimizer, params)
+        self.lr_scheduler = None
+        if cfg.lr_scheduler is not None:
+            kw = {} if "num_training_steps" in cfg.lr_scheduler else {"num_training_steps": self.total_steps}
+            self.lr_scheduler = tt_config.instantiate(cfg.lr_scheduler, self.optimizer, **kw)
+        if recipe_state is not None:
+            if self.distributed:
+                tt_training.load_from_full_optimizer_state_dict(
+                    self.model, self.optimizer, recipe_state["optimizer"], self.device)
+            else:
+                self.optimizer.load_state_dict(recipe_state["optimizer"])
+            if self.lr_scheduler is not None and recipe_state.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        self.train_step = TrainStep(self.model, self.optimizer, self.lr_scheduler,
+                                    clip_grad_norm=cfg.clip_grad_norm,
+                                    grads_averaged_over_ranks=self.distributed)
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
+        ds = tt_config.instantiate(cfg.dataset, self.tokenizer)
+        pad = getattr(self.tokenizer, "pad_id", 0)
+        self.dataloader = build_dataloader(
+            ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, rank=self.rank,
+            world_size=self.world_size, padding_idx=0 if pad is None else pad,
+            ignore_index=getattr(self.loss_fn, "ignore_index", CROSS_ENTROPY_IGNORE_IDX),
+            num_workers=cfg.num_workers)
+        ga = cfg.gradient_accumulation_steps
+        self.steps_per_epoch = len(self.dataloader) // ga
+        if cfg.max_steps_per_epoch is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"config key 'batch_size': {len(ds)} rows give {len(self.dataloader)} micro-batches of "
+                f"{cfg.batch_size} per rank, fewer than gradient_accumulation_steps={ga}")
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _recipe_state(self) -> Dict[str, Any]:
+        if self.distributed:
+            optim = tt_training.get_full_optimizer_state_dict(self.model, self.optimizer, self.is_rank_zero)
+            rngs: List[Any] = [None] * self.world_size
+            dist.all_gather_object(rngs, rng_state())
+        else:
+            optim, rngs = self.optimizer.state_dict(), [rng_state()]
+        return {"step": self.step, "epoch": self.epoch, "micro_batches_in_epoch": self.mb_in_epoch,
+                "optimizer": optim,
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "rng": rngs, "seed": self.seed, "world_size": self.world_size,
+                "config": config_summary(self.cfg)}
+
+    def save(self) -> None:
+        """Saves a complete checkpoint of the current step (all ranks take part, rank 0 writes)."""
+        cfg = self.cfg
+        state = self._recipe_state()
+        if self.distributed:
+            full_sd = tt_training.gather_cpu_state_dict(self.model, self.is_rank_zero, device=self.device)
+        else:
+            full_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.is_rank_zero:
+            if self.lora:
+                adapter, merged = model_utils.lora_states(full_sd, cfg.model, merge=cfg.merge_adapters)
+                self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=merged,
+                               adapter_state=adapter, adapter_config=model_utils.adapter_config(cfg.model))
+            else:
+                self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=full_sd)
+        if self.distributed:
+            dist.barrier()
+
+    def _resume_dir(self):
+        r = self.cfg.resume_from_checkpoint
+        if r is False:
+            return None
+        done = complete_checkpoints(self.cfg.output_dir)
+        found = done[-1] if done else None
+        if found is None and r is True:
+            raise ConfigError(f"config key 'resume_from_checkpoint': true, but {self.cfg.output_dir!r} holds no "
+                              f"complete checkpoint (use 'auto' to start fresh when there is none)")
+        return found
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> List[float]:
+        """Trains; returns the loss of every optimizer step this process ran."""
+        cfg = self.cfg
+        self._setup_runtime()
+        resume_dir = self._resume_dir()
+        recipe_state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
+        self._setup_model(resume_dir)
+        self._setup_data()
+        self._setup_optim(recipe_state)
+        self.step, self.epoch, self.mb_in_epoch = 0, 0, 0
+        if recipe_state is not None:
+            self.step, self.epoch = recipe_state["step"], recipe_state["epoch"]
+            self.mb_in_epoch = recipe_state["micro_batches_in_epoch"]
+            rngs = recipe_state["rng"]
+            set_rng_state(rngs[self.rank] if len(rngs) == self.world_size else rngs[0])
+        logger = build_metric_logger(cfg.metric_logger, cfg.output_dir, is_rank_zero=self.is_rank_zero)
+        if self.is_rank_zero and recipe_state is None:
+            logger.log_config(cfg)
+        bar = ProgressBar(self.total_steps, initial=self.step, enabled=self.is_rank_zero)
+        ga = cfg.gradient_accumulation_steps
+        it = None
+        timer = StepTimer(self.device)
+        last_saved = self.step if resume_dir is not None else -1
+        self.model.train()
+        while self.step < self.total_steps:
+            if it is None or self.mb_in_epoch // ga >= self.steps_per_epoch:
+                if it is not None:
+                    self.epoch, self.mb_in_epoch = self.epoch + 1, 0
+                self.dataloader.sampler.set_epoch(self.epoch, start=self.mb_in_epoch * cfg.batch_size)
+                it = iter(self.dataloader)
+            mbs = [batch_to_device(next(it), self.device) for _ in range(ga)]
+            self.mb_in_epoch += ga
+            res = self.train_step(mbs, loss_fn=self.objective, count_fn=self.objective.count)
+            self.step += 1
+            self.losses.append(res.loss)
+            n_tok = torch.tensor(float(sum(mb["tokens"].numel() for mb in mbs)), device=self.device)
+            if self.distributed:
+                dist.all_reduce(n_tok)
+            metrics = {"loss": res.loss, "lr": self.optimizer.param_groups[0]["lr"],
+                       "num_tokens": res.num_units, **timer.lap(int(n_tok.item())),
+                       **peak_memory_gib(self.device)}
+            if res.grad_norm is not None:
+                metrics["grad_norm"] = res.grad_norm
+            bar.update(metrics)
+            if self.step % cfg.log_every_n_steps == 0 or self.step == self.total_steps:
+                logger.log_dict(metrics, step=self.step)
+            if not math.isfinite(res.loss):
+                raise FloatingPointError(f"loss is {res.loss} at step {self.step}")
+            if cfg.save_every_n_steps is not None and self.step % cfg.save_every_n_steps == 0:
+                self.save()
+                last_saved = self.step
+        if cfg.save_final_checkpoint and last_saved != self.step:
+            self.save()
+        bar.close()
+        logger.close()
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+        return self.losses
+
+
+def recipe_main(cfg: DictConfig, *, lora: bool = False, distributed: bool = False) -> None:
+    """Entry point used by the recipe files: ``SFTRecipe(cfg, ...).run()``."""
+    SFTRecipe(cfg, lora=lora, distributed=distributed).run()
+
