@@ -4,6 +4,7 @@
 from logitless.losses._base import HeadLoss
 from logitless.losses.ce import CEWithChunkedOutputLoss, LinearCrossEntropyLoss
 from logitless.losses.entropy import EntropyWithChunkedOutputLoss
+from logitless.losses.grpo import GRPOLoss
 from logitless.losses.log_probs import TokenLogProbs
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "CEWithChunkedOutputLoss",
     "LinearCrossEntropyLoss",
     "EntropyWithChunkedOutputLoss",
+    "GRPOLoss",
     "TokenLogProbs",
 ]

@@ -1,0 +1,261 @@
+"""GRPO policy loss on per-token log-probs computed by the fused/chunked head (never full logits).
+
+Protocol (as every logitless loss)::
+
+    loss_fn = GRPOLoss(epsilon=0.2, beta=0.04, loss_type="dapo", temperature=0.7)
+    loss_fn.set_model_output(policy)                  # policy now returns a HeadInput
+    with torch.no_grad():                             # once per generation batch
+        old = loss_fn.log_probs(policy(tokens, ...), labels)          # if num_iterations > 1
+        ref = loss_fn.log_probs(reference(tokens, ...), labels)       # if beta > 0
+    loss, metrics = loss_fn(policy(tokens, ...), labels, advantages,
+                            old_log_probs=old, ref_log_probs=ref, truncated=truncated,
+                            total_sequences=N, total_tokens=loss_fn.num_loss_tokens(labels, truncated))
+    loss.backward()
+
+``labels`` are the shifted completion tokens with ``ignore_index`` at every other position (see
+``logitless.rl.batch.policy_batch``); every per-token tensor has the labels' shape, so the same call
+works whether the hidden states cover whole sequences or only completion positions.
+
+Per-token objective, with ``r = exp(logp - old)`` (token level) or ``exp(mean_t(logp - old))``
+(sequence level, GSPO), advantage ``A`` and mask ``m``::
+
+    L_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+          + beta * (exp(ref - logp) - (ref - logp) - 1)        # k3 estimator of KL(pi || ref)
+          - entropy_coef * H_t
+
+Reduction over the whole accumulated batch (``B_tot`` sequences, ``N_tot`` tokens, ``M`` micro-batches;
+each micro-batch call returns its share so that the micro-batch losses add up to the batch loss):
+
+- ``grpo``:    sum_i mean_t(L_it) / B_tot                (per-sequence mean, then mean)
+- ``bnpo``:    sum(L m) / sum(m)_micro-batch / M          (token mean per micro-batch)
+- ``dr_grpo``: sum(L m) / (B_tot * max_completion_length)
+- ``dapo``:    sum(L m) / N_tot                           (token mean over the accumulated batch)
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from logitless.losses._base import HeadLoss, ModelOutput, as_head_input
+from logitless.modules import HeadInput  # noqa: F401  (public in signatures / doctest)
+from logitless.ops import _validate, linear_log_probs
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+class GRPOLoss(HeadLoss):
+    """PPO-clipped group-relative policy loss (GRPO, BNPO, Dr. GRPO, DAPO normalisations).
+
+    Args:
+        epsilon (float): lower clip range, ratio clipped below at ``1 - epsilon``. Default 0.2.
+        epsilon_high (Optional[float]): upper clip range (DAPO's clip-higher); ``epsilon`` if None.
+        beta (float): weight of the k3 KL to the reference policy; 0 disables it (no reference pass).
+        loss_type (str): ``"grpo" | "bnpo" | "dr_grpo" | "dapo"``. Default ``"dapo"`` (as TRL).
+        entropy_coef (float): entropy bonus weight (subtracted from the loss). Default 0.
+        importance_sampling_level (str): ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
+        mask_truncated_completions (bool): drop completions that hit the length limit from the loss.
+        max_completion_length (Optional[int]): the normaliser of ``dr_grpo`` (required for it).
+        temperature (float): the sampling temperature; divides the logits in every pass.
+        impl (str): head implementation for ``logitless.linear_log_probs``
+            (``"auto" | "triton" | "chunked" | "torch"``).
+        ignore_index (int): label of positions without loss. Default -100.
+        chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+
+    Example:
+        >>> loss_fn = GRPOLoss(beta=0.0, loss_type="dapo", temperature=1.0, impl="torch")
+        >>> hidden, weight = torch.randn(2, 4, 8, requires_grad=True), torch.randn(11, 8)
+        >>> labels = torch.tensor([[-100, 3, 4, -100], [-100, 5, -100, -100]])
+        >>> loss, metrics = loss_fn(HeadInput(hidden, weight), labels, torch.tensor([1.0, -1.0]))
+        >>> loss.backward(); sorted(metrics)
+        ['clip_ratio/high', 'clip_ratio/low', 'clip_ratio/region', 'entropy', 'num_tokens']
+    """
+
+    output_mode = "hidden"
+
+    def __init__(
+        self,
+        epsilon: float = 0.2,
+        epsilon_high: Optional[float] = None,
+        beta: float = 0.0,
+        loss_type: str = "dapo",
+        entropy_coef: float = 0.0,
+        importance_sampling_level: str = "token",
+        mask_truncated_completions: bool = False,
+        max_completion_length: Optional[int] = None,
+        temperature: float = 1.0,
+        impl: str = "auto",
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high), ("beta", beta),
+                            ("entropy_coef", entropy_coef)):
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if importance_sampling_level not in IMPORTANCE_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, "
+                             f"got {importance_sampling_level!r}")
+        if loss_type == "dr_grpo" and (not isinstance(max_completion_length, int) or max_completion_length < 1):
+            raise ValueError(f"loss_type='dr_grpo' needs max_completion_length (a positive int), "
+                             f"got {max_completion_length!r}")
+        _validate.check_temperature(temperature)
+        _validate.check_impl(impl)
+        _validate.check_chunk_size(chunk_size)
+        self.epsilon, self.epsilon_high, self.beta = float(epsilon), float(epsilon_high), float(beta)
+        self.loss_type, self.entropy_coef = loss_type, float(entropy_coef)
+        self.importance_sampling_level = importance_sampling_level
+        self.mask_truncated_completions = mask_truncated_completions
+        self.max_completion_length = max_completion_length
+        self.temperature, self.impl = temperature, impl
+        self.ignore_index, self.chunk_size = ignore_index, chunk_size
+
+    # ------------------------------------------------------------------ helpers
+    def log_probs(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs at the sampling temperature (old / reference passes; no entropy).
+
+        Args:
+            outputs (HeadInput): the model's hidden states and head weight.
+            labels (torch.Tensor): ``(B, S)`` shifted labels.
+
+        Returns:
+            torch.Tensor: ``(B, S)`` fp32, 0 at ignored positions.
+        """
+        head = as_head_input(outputs, type(self).__name__)
+        logp, _ = linear_log_probs(head.hidden, head.weight, labels, ignore_index=self.ignore_index,
+                                   temperature=self.temperature, return_entropy=False,
+                                   impl=self.impl, chunk_size=self.chunk_size)
+        return logp
+
+    def loss_mask(self, labels: torch.Tensor, truncated: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``(B, S)`` bool: positions that count in the loss (completion tokens, minus truncated
+        completions when ``mask_truncated_completions``)."""
+        mask = labels != self.ignore_index
+        if self.mask_truncated_completions and truncated is not None:
+            mask = mask & ~truncated.to(torch.bool)[:, None]
+        return mask
+
+    def num_loss_tokens(self, labels: torch.Tensor, truncated: Optional[torch.Tensor] = None) -> int:
+        """Number of tokens in the loss: sum it over all micro-batches for ``total_tokens``."""
+        return int(self.loss_mask(labels, truncated).sum())
+
+    def _check(self, labels, advantages, old_log_probs, ref_log_probs, truncated) -> torch.Tensor:
+        if labels.dim() != 2 or labels.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"labels must be (B, S) int64, got shape {tuple(labels.shape)} {labels.dtype}")
+        b = labels.shape[0]
+        if advantages.dim() == 1:
+            advantages = advantages[:, None]
+        if advantages.shape not in ((b, 1), labels.shape):
+            raise ValueError(f"advantages must have shape ({b},) or {tuple(labels.shape)}, "
+                             f"got {tuple(advantages.shape)}")
+        if not torch.isfinite(advantages).all():
+            raise ValueError("advantages contain NaN or inf")
+        for name, t in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
+            if t is not None and t.shape != labels.shape:
+                raise ValueError(f"{name} must have the labels' shape {tuple(labels.shape)}, got {tuple(t.shape)}")
+        if self.beta > 0 and ref_log_probs is None:
+            raise ValueError(f"beta={self.beta} > 0 needs ref_log_probs (the reference policy's log-probs); "
+                             f"pass them or set beta=0")
+        if truncated is not None and truncated.shape != (b,):
+            raise ValueError(f"truncated must have shape ({b},), got {tuple(truncated.shape)}")
+        return advantages
+
+    # ------------------------------------------------------------------ loss
+    def forward(
+        self,
+        outputs: ModelOutput,
+        labels: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        old_log_probs: Optional[torch.Tensor] = None,
+        ref_log_probs: Optional[torch.Tensor] = None,
+        truncated: Optional[torch.Tensor] = None,
+        total_sequences: Optional[int] = None,
+        total_tokens: Optional[int] = None,
+        num_micro_batches: int = 1,
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The micro-batch's share of the GRPO loss, and its metrics.
+
+        Args:
+            outputs (HeadInput): the policy's final hidden states ``(B, S, H)`` and head weight.
+            labels (torch.Tensor): ``(B, S)`` shifted completion labels, ``ignore_index`` elsewhere.
+            advantages (torch.Tensor): ``(B,)`` per completion or ``(B, S)`` per token.
+            old_log_probs (Optional[torch.Tensor]): ``(B, S)`` log-probs of the policy that sampled
+                (recomputed on the training path); None = the current ones detached (ratio 1, as
+                with ``num_iterations == 1``).
+            ref_log_probs (Optional[torch.Tensor]): ``(B, S)`` reference log-probs (needed if beta > 0).
+            truncated (Optional[torch.Tensor]): ``(B,)`` bool completions without a stop token.
+            total_sequences (Optional[int]): completions in the whole accumulated batch (default B).
+            total_tokens (Optional[int]): loss tokens in the whole accumulated batch (default: this
+                call's), see :meth:`num_loss_tokens`.
+            num_micro_batches (int): micro-batches in the accumulated batch (``bnpo`` divides by it).
+
+        Returns:
+            Tuple[torch.Tensor, Dict[str, torch.Tensor]]: the scalar loss and detached metrics:
+            ``kl`` (mean k3 per token, when a reference is given), ``clip_ratio/low``, ``/high``,
+            ``/region`` (fractions of tokens), ``entropy`` (mean per token), ``num_tokens``.
+        """
+        head = as_head_input(outputs, type(self).__name__)
+        advantages = self._check(labels, advantages, old_log_probs, ref_log_probs, truncated)
+        logp, ent = linear_log_probs(head.hidden, head.weight, labels, ignore_index=self.ignore_index,
+                                     temperature=self.temperature, return_entropy=True,
+                                     impl=self.impl, chunk_size=self.chunk_size)
+        mask = self.loss_mask(labels, truncated)
+        m = mask.to(logp.dtype)
+        seq_len = m.sum(dim=1)
+        old = logp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
+        log_ratio = logp - old
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * m).sum(dim=1) / seq_len.clamp(min=1))[:, None].expand_as(logp)
+        ratio = torch.exp(log_ratio)
+        adv = advantages.to(logp.dtype)
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+        kl = None
+        if ref_log_probs is not None:
+            delta = ref_log_probs.to(logp.dtype) - logp
+            kl = torch.exp(delta) - delta - 1
+            if self.beta > 0:
+                per_token = per_token + self.beta * kl
+        if self.entropy_coef > 0:
+            per_token = per_token - self.entropy_coef * ent
+        loss = self._reduce(per_token, m, seq_len, total_sequences, total_tokens, num_micro_batches)
+        return loss, self._metrics(m, ratio, adv, kl, ent)
+
+    def _reduce(self, per_token, m, seq_len, total_sequences, total_tokens, num_micro_batches):
+        b = per_token.shape[0]
+        total_sequences = b if total_sequences is None else total_sequences
+        if self.loss_type == "grpo":
+            return ((per_token * m).sum(dim=1) / seq_len.clamp(min=1)).sum() / total_sequences
+        summed = (per_token * m).sum()
+        if self.loss_type == "bnpo":
+            return summed / m.sum().clamp(min=1) / num_micro_batches
+        if self.loss_type == "dr_grpo":
+            return summed / (total_sequences * self.max_completion_length)
+        if total_tokens is None:
+            return summed / m.sum().clamp(min=1)
+        return summed / max(int(total_tokens), 1)
+
+    def _metrics(self, m, ratio, adv, kl, ent) -> Dict[str, torch.Tensor]:
+        with torch.no_grad():
+            n = m.sum().clamp(min=1)
+
+            def mean(x: torch.Tensor) -> torch.Tensor:
+                return (x.to(m.dtype) * m).sum() / n
+
+            # a token is clipped when the clip is active in the min (TRL's definition)
+            low = (ratio < 1 - self.epsilon) & (adv < 0)
+            high = (ratio > 1 + self.epsilon_high) & (adv > 0)
+            out = {
+                "clip_ratio/low": mean(low),
+                "clip_ratio/high": mean(high),
+                "clip_ratio/region": mean(low | high),
+                "entropy": mean(ent.detach()),
+                "num_tokens": m.sum().detach(),
+            }
+            if kl is not None:
+                out["kl"] = mean(kl.detach())
+            return out

@@ -1,0 +1,21 @@
+"""GRPO parts: sampling with a KV cache, rewards, group advantages, the policy update and the recipe body.
+
+Example:
+    >>> from logitless.rl import generate, policy_batch, group_advantages, compute_rewards
+"""
+
+from logitless.rl.advantages import group_advantages
+from logitless.rl.batch import PolicyBatch, policy_batch, policy_forward
+from logitless.rl.generation import Rollout, generate, left_pad
+from logitless.rl.reference import ReferencePolicy, build_reference
+from logitless.rl.rewards import (
+    RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format,
+)
+from logitless.rl.sampling import sample_next
+from logitless.rl.update import grpo_update
+
+__all__ = [
+    "PolicyBatch", "ReferencePolicy", "RewardError", "RewardSpec", "Rollout", "build_reference",
+    "build_reward_specs", "compute_rewards", "generate", "group_advantages", "grpo_update", "gsm8k_correctness",
+    "gsm8k_format", "left_pad", "policy_batch", "policy_forward", "sample_next",
+]

@@ -1,0 +1,303 @@
+"""Prompt datasets for GRPO: GSM8K (HF hub or local JSON/Parquet), a tiny arithmetic task, and
+random-token prompts for random-weight runs.
+
+Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``; the fields
+(e.g. ``answer``) are handed to the reward functions. Prompts longer than ``max_prompt_tokens``
+are dropped (``overflow="skip"``), cut from the left keeping the end of the prompt where the
+question and the generation header are (``"truncate"``), or rejected (``"error"``): never mangled
+silently.
+"""
+
+import random
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch.utils.data import Dataset
+
+DEFAULT_GSM8K_SYSTEM_PROMPT = (
+    "You are a helpful math assistant. Solve the problem step by step, then give the final "
+    "answer on its own last line as '#### <number>'."
+)
+_OVERFLOW = ("skip", "truncate", "error")
+
+
+class PromptDataset(Dataset):
+    """Tokenised prompts with their dataset fields.
+
+    Args:
+        prompts (Sequence[str]): prompt texts (for logging and the reward functions).
+        prompt_tokens (Sequence[Sequence[int]]): their token ids.
+        fields (Dict[str, Sequence]): other columns, each as long as ``prompts``.
+        max_prompt_tokens (Optional[int]): length limit.
+        overflow (str): ``"skip" | "truncate" | "error"`` for prompts over the limit.
+
+    Example:
+        >>> ds = PromptDataset(["1+1="], [[16, 10, 16, 28]], {"answer": ["2"]})
+        >>> ds[0]["answer"]
+        '2'
+    """
+
+    def __init__(self, prompts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
+                 fields: Optional[Dict[str, Sequence[Any]]] = None, *,
+                 max_prompt_tokens: Optional[int] = None, overflow: str = "skip"):
+        if overflow not in _OVERFLOW:
+            raise ValueError(f"overflow must be one of {_OVERFLOW}, got {overflow!r}")
+        fields = dict(fields or {})
+        for key, values in fields.items():
+            if len(values) != len(prompts):
+                raise ValueError(f"field {key!r} has {len(values)} values, expected {len(prompts)}")
+        if len(prompt_tokens) != len(prompts):
+            raise ValueError(f"got {len(prompt_tokens)} token lists for {len(prompts)} prompts")
+        self.rows: List[Dict[str, Any]] = []
+        self.num_skipped = self.num_truncated = 0
+        for i, (text, toks) in enumerate(zip(prompts, prompt_tokens)):
+            toks = list(toks)
+            if not toks:
+                raise ValueError(f"prompt {i} tokenises to nothing: {text!r}")
+            if max_prompt_tokens is not None and len(toks) > max_prompt_tokens:
+                if overflow == "error":
+                    raise ValueError(f"prompt {i} has {len(toks)} tokens, more than max_prompt_tokens="
+                                     f"{max_prompt_tokens}; raise the limit or set overflow to skip/truncate")
+                if overflow == "skip":
+                    self.num_skipped += 1
+                    continue
+                toks = toks[-max_prompt_tokens:]
+                self.num_truncated += 1
+            self.rows.append({"prompt_tokens": toks, "prompt": text,
+                              **{k: v[i] for k, v in fields.items()}})
+        if not self.rows:
+            raise ValueError(f"no prompt is left after applying max_prompt_tokens={max_prompt_tokens} "
+                             f"(overflow={overflow!r}); all {len(prompts)} were too long")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        return self.rows[i]
+
+
+def _encode(tokenizer: Any, text: str, system_prompt: Optional[str], chat: bool) -> List[int]:
+    if not chat:
+        return tokenizer.encode(text, add_bos=False, add_eos=False)
+    from torchtune.data import Message
+
+    messages = ([Message(role="system", content=system_prompt)] if system_prompt else []) + [
+        Message(role="user", content=text), Message(role="assistant", content="")]
+    tokens, _ = tokenizer.tokenize_messages(messages, add_eos=False)
+    return tokens
+
+
+def gsm8k_dataset(
+    tokenizer: Any,
+    *,
+    source: str = "openai/gsm8k",
+    name: Optional[str] = "main",
+    split: str = "train",
+    data_files: Optional[Any] = None,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    system_prompt: Optional[str] = DEFAULT_GSM8K_SYSTEM_PROMPT,
+    chat: bool = True,
+    max_prompt_tokens: Optional[int] = 512,
+    overflow: str = "skip",
+    num_samples: Optional[int] = None,
+) -> PromptDataset:
+    """GSM8K prompts (question as a chat turn) with the ``answer`` field for the rewards.
+
+    Args:
+        tokenizer: a torchtune tokenizer (``tokenize_messages`` when ``chat``, else ``encode``).
+        source (str): HF dataset id, or ``"json"`` / ``"parquet"`` with ``data_files``.
+        name (Optional[str]): HF config name (``"main"``); ignored for local files.
+        split (str): ``"train"`` or ``"test"``.
+        data_files: local file(s) for ``source="json"|"parquet"``.
+        question_column (str): column with the question.
+        answer_column (str): column with the reference answer (``"... #### 72"``).
+        system_prompt (Optional[str]): system turn (None for none).
+        chat (bool): format with the tokenizer's chat template (else raw text).
+        max_prompt_tokens (Optional[int]): prompt length limit.
+        overflow (str): ``"skip" | "truncate" | "error"``.
+        num_samples (Optional[int]): keep the first N rows.
+
+    Returns:
+        PromptDataset: rows with ``prompt_tokens``, ``prompt``, ``answer``.
+
+    Example:
+        >>> ds = gsm8k_dataset(tok, source="json", data_files="gsm8k.jsonl")  # doctest: +SKIP
+    """
+    import datasets
+
+    if source in ("json", "parquet", "csv"):
+        if data_files is None:
+            raise ValueError(f"source={source!r} needs data_files (a local path)")
+        raw = datasets.load_dataset(source, data_files=data_files, split=split)
+    else:
+        raw = datasets.load_dataset(source, name, split=split)
+    for col in (question_column, answer_column):
+        if col not in raw.column_names:
+            raise ValueError(f"GSM8K source {source!r} has no column {col!r}; columns: {raw.column_names}")
+    if num_samples is not None:
+        raw = raw.select(range(min(num_samples, len(raw))))
+    questions = [str(q) for q in raw[question_column]]
+    tokens = [_encode(tokenizer, q, system_prompt, chat) for q in questions]
+    return PromptDataset(questions, tokens, {"answer": list(raw[answer_column])},
+                         max_prompt_tokens=max_prompt_tokens, overflow=overflow)
+
+
+def arithmetic_pairs(max_sum: int = 9, b_values: Optional[Sequence[int]] = None) -> List[tuple]:
+    """All ``(a, b)`` with ``a, b >= 0``, ``a + b <= max_sum`` and ``b`` in ``b_values`` (all if None),
+    in a fixed order."""
+    pairs = [(a, b) for a in range(max_sum + 1) for b in range(max_sum + 1 - a)]
+    if b_values is not None:
+        pairs = [(a, b) for a, b in pairs if b in set(b_values)]
+    if not pairs:
+        raise ValueError(f"no pair (a, b) with a + b <= {max_sum} and b in {list(b_values)}")
+    return pairs
+
+
+def arithmetic_dataset(
+    tokenizer: Any,
+    *,
+    split: str = "train",
+    max_sum: int = 9,
+    b_values: Optional[Sequence[int]] = None,
+    eval_fraction: float = 0.2,
+    template: str = "{a}+{b}=",
+    chat: bool = False,
+    system_prompt: Optional[str] = None,
+    seed: int = 0,
+) -> PromptDataset:
+    """The tiny GRPO task: ``"a+b="`` with single-digit sums, answer as ``"#### <a+b>"``.
+
+    All pairs with ``a + b <= max_sum`` are shuffled with ``seed`` and split: the last
+    ``eval_fraction`` of them are the held-out ``"eval"`` prompts, the rest ``"train"``.
+
+    Args:
+        tokenizer: torchtune tokenizer (``encode``; ``tokenize_messages`` if ``chat``).
+        split (str): ``"train" | "eval" | "all"``.
+        max_sum (int): largest sum (9 keeps every answer one digit token).
+        b_values (Optional[Sequence[int]]): allowed second operands (all if None).
+        eval_fraction (float): share of pairs held out.
+        template (str): prompt text with ``{a}`` and ``{b}``.
+        chat (bool): wrap in the chat template.
+        system_prompt (Optional[str]): system turn when ``chat``.
+        seed (int): split seed.
+
+    Returns:
+        PromptDataset: rows with ``prompt_tokens``, ``prompt``, ``answer``.
+
+    Example:
+        >>> from logitless.data import tiny_qwen2_5_tokenizer
+        >>> ds = arithmetic_dataset(tiny_qwen2_5_tokenizer(), split="all")
+        >>> len(ds), ds[0]["answer"]
+        (55, '#### 0')
+    """
+    if split not in ("train", "eval", "all"):
+        raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
+    pairs = arithmetic_pairs(max_sum, b_values)
+    if split != "all":
+        random.Random(seed).shuffle(pairs)
+        n_eval = int(round(len(pairs) * eval_fraction))
+        pairs = pairs[len(pairs) - n_eval:] if split == "eval" else pairs[:len(pairs) - n_eval]
+    texts = [template.format(a=a, b=b) for a, b in pairs]
+    tokens = [_encode(tokenizer, t, system_prompt, chat) for t in texts]
+    return PromptDataset(texts, tokens, {"answer": [f"#### {a + b}" for a, b in pairs]})
+
+
+def synthetic_prompt_dataset(
+    tokenizer: Any = None,
+    *,
+    num_samples: int = 64,
+    prompt_len: int = 128,
+    vocab_size: Optional[int] = None,
+    seed: int = 0,
+    **real_dataset_args: Any,
+) -> PromptDataset:
+    """Random-token prompts of exactly ``prompt_len`` tokens (random-weight runs, benchmarks).
+
+    Swaps in for :func:`gsm8k_dataset` with one ``_component_`` override: its file/source
+    arguments are accepted and ignored. The ``answer`` field is ``"#### 0"``.
+
+    Args:
+        tokenizer: gives ``vocab_size`` (or pass it); ids are drawn below ``vocab_size - 1``... and
+            below the smallest special token of a Qwen tokenizer, so prompts hold ordinary tokens.
+        num_samples (int): number of prompts.
+        prompt_len (int): tokens per prompt.
+        vocab_size (Optional[int]): overrides the tokenizer's size.
+        seed (int): data seed.
+        **real_dataset_args: ignored (``source``, ``split``, ``max_prompt_tokens``...).
+
+    Returns:
+        PromptDataset: rows with ``prompt_tokens``, ``prompt`` (ids as text), ``answer``.
+
+    Example:
+        >>> ds = synthetic_prompt_dataset(vocab_size=1000, num_samples=2, prompt_len=8)
+        >>> len(ds[1]["prompt_tokens"])
+        8
+    """
+    import torch
+
+    if vocab_size is None:
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+        if vocab_size is None and hasattr(tokenizer, "encoder"):
+            vocab_size = len(tokenizer.encoder)  # ordinary BPE tokens only
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"synthetic_prompt_dataset needs vocab_size >= 2 (or a tokenizer that has it), "
+                         f"got {vocab_size!r}")
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, vocab_size - 1, (num_samples, prompt_len), generator=g).tolist()
+    texts = [" ".join(map(str, t[:8])) + " ..." for t in toks]
+    return PromptDataset(texts, toks, {"answer": ["#### 0"] * num_samples})
+
+
+def arithmetic_warmstart_dataset(
+    tokenizer: Any,
+    *,
+    num_samples: int = 2000,
+    max_sum: int = 9,
+    b_values: Optional[Sequence[int]] = None,
+    template: str = "{a}+{b}=",
+    answers: str = "random",
+    seed: int = 0,
+    **real_dataset_args: Any,
+) -> List[Dict[str, List[int]]]:
+    """SFT rows that teach the *format* of the arithmetic task: prompt, one digit, end of turn.
+
+    With ``answers="random"`` the digit is uniform and unrelated to the question, so a policy
+    trained on it answers in the right format with ~10% accuracy: the arithmetic itself is left
+    for GRPO to learn from the reward. ``"correct"`` gives the true sums (a supervised baseline).
+
+    Args:
+        tokenizer: torchtune tokenizer (``encode``, ``eos_id``).
+        num_samples (int): rows (pairs are cycled).
+        max_sum (int): largest sum, as in :func:`arithmetic_dataset`.
+        b_values (Optional[Sequence[int]]): allowed second operands, as in :func:`arithmetic_dataset`.
+        template (str): prompt text.
+        answers (str): ``"random" | "correct"``.
+        seed (int): seed of the random digits.
+        **real_dataset_args: ignored.
+
+    Returns:
+        List[Dict[str, List[int]]]: rows ``{"tokens", "labels"}`` (prompt labels ignored),
+        usable as the ``dataset`` of the SFT recipes.
+
+    Example:
+        >>> from logitless.data import tiny_qwen2_5_tokenizer
+        >>> row = arithmetic_warmstart_dataset(tiny_qwen2_5_tokenizer(), num_samples=1)[0]
+        >>> row["labels"][:4]
+        [-100, -100, -100, -100]
+    """
+    if answers not in ("random", "correct"):
+        raise ValueError(f"answers must be 'random' or 'correct', got {answers!r}")
+    rng = random.Random(seed)
+    pairs = arithmetic_pairs(max_sum, b_values)
+    rows = []
+    for i in range(num_samples):
+        a, b = pairs[i % len(pairs)]
+        digit = rng.randint(0, max_sum) if answers == "random" else a + b
+        prompt = tokenizer.encode(template.format(a=a, b=b), add_bos=False, add_eos=False)
+        answer = tokenizer.encode(str(digit), add_bos=False, add_eos=False) + [tokenizer.eos_id]
+        rows.append({"tokens": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    return rows

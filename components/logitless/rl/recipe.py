@@ -1,0 +1,312 @@
+"""The body of ``recipes/grpo_single_device.py``: GRPO with a full or LoRA policy on one device.
+
+Each step: take ``prompts_per_step`` prompts (a deterministic order from ``seed``), sample
+``num_generations`` completions each with the KV-cached sampler, score them with the configured
+reward functions, compute group-relative advantages, then run ``num_iterations`` optimizer steps over
+the batch in micro-batches of ``micro_batch_size`` completions with ``logitless.losses.GRPOLoss``.
+
+Set-up order: validate the whole config -> device / seed -> tokenizer, data, rewards -> policy (+
+weights, LoRA freeze) -> reference (frozen copy, or adapters disabled for LoRA; only if beta > 0)
+-> resume -> optimizer -> loop. Checkpoints, resume, metric logging and the progress bar come from
+:mod:`logitless.training`; everything GRPO-specific from :mod:`logitless.rl`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config as tt_config
+from torchtune import training as tt_training
+
+from logitless.rl.advantages import group_advantages
+from logitless.rl.batch import policy_batch
+from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
+from logitless.rl.reference import build_reference
+from logitless.rl.rewards import build_reward_specs, compute_rewards
+from logitless.rl.update import grpo_update
+from logitless.training import model as model_utils
+from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
+from logitless.training.config import ConfigError, Key, config_summary, validate_config
+from logitless.training.metric_logging import build_metric_logger
+from logitless.training.progress import ProgressBar, peak_memory_gib
+
+GRPO_SCHEMA: Dict[str, Key] = {
+    "output_dir": Key(str, doc="folder for checkpoints and logs"),
+    "model": Key(component=True, doc="model builder (a lora_* builder trains LoRA adapters only)"),
+    "tokenizer": Key(component=True),
+    "dataset": Key(component=True, positional=1, doc="prompt dataset, called with the tokenizer"),
+    "eval_dataset": Key((None,), default=None, component=True, positional=1),
+    "rewards": Key(list, doc="list of {function: dotted.path, weight: float, name: str}"),
+    "loss": Key(component=True, doc="logitless.losses.GRPOLoss"),
+    "optimizer": Key(component=True, positional=1),
+    "lr_scheduler": Key((None,), default=None, component=True, positional=1),
+    "checkpointer": Key((None,), default=None, component=True),
+    "metric_logger": Key((None,), default=None, component=True),
+    "model_init": Key(str, default="checkpoint", choices=("checkpoint", "random")),
+    "resume_from_checkpoint": Key((bool, str), default=False, choices=(True, False, "auto")),
+    "seed": Key(int, default=0),
+    "device": Key(str, default="auto"),
+    "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
+    "cpu_threads": Key((int, None), default=None, min=1, doc="torch.set_num_threads on the CPU"),
+    "max_steps": Key(int, min=1, doc="GRPO steps (one generation batch each)"),
+    "prompts_per_step": Key(int, min=1),
+    "num_generations": Key(int, min=2, doc="completions per prompt (G); >= 2 to form a group"),
+    "micro_batch_size": Key(int, min=1, doc="completions per forward/backward"),
+    "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
+    "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
+    "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
+    "clip_grad_norm": Key((float, None), default=None),
+    "enable_activation_checkpointing": Key(bool, default=False),
+    "log_every_n_steps": Key(int, default=1, min=1),
+    "save_every_n_steps": Key((int, None), default=None, min=1),
+    "save_final_checkpoint": Key(bool, default=True),
+    "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
+    "merge_adapters": Key(bool, default=False, doc="LoRA: also save merged HF weights"),
+    "eval_every_n_steps": Key((int, None), default=None, min=1),
+    "eval_num_prompts": Key((int, None), default=None, min=1),
+    "eval_batch_size": Key(int, default=64, min=1),
+    "eval_reward": Key((str, None), default=None, doc="reward whose mean is eval accuracy (default: first)"),
+}
+_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
+
+
+def validate_grpo_config(cfg: DictConfig) -> DictConfig:
+    """Validates a GRPO config before anything is built; raises ConfigError naming the key."""
+    skip = ["checkpointer"] if cfg.get("model_init", "checkpoint") == "random" else []
+    # a synthetic tokenizer/dataset swapped in by one _component_ override ignores the real one's files
+    skip += [k for k in ("tokenizer", "dataset", "eval_dataset")
+             if isinstance(cfg.get(k), DictConfig) and "synthetic" in str(cfg[k].get("_component_", ""))]
+    validate_config(cfg, GRPO_SCHEMA, skip_file_checks=skip)
+    if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
+        raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' (or model_init=random)")
+    gen = cfg.generation
+    if not isinstance(gen, DictConfig) or "max_new_tokens" not in gen:
+        raise ConfigError(f"config key 'generation': expected a mapping with max_new_tokens, got {gen!r}")
+    unknown = set(gen.keys()) - _GEN_KEYS
+    if unknown:
+        raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
+    n = cfg.prompts_per_step * cfg.num_generations
+    if n % cfg.micro_batch_size:
+        raise ConfigError(f"config key 'micro_batch_size': {cfg.micro_batch_size} does not divide the "
+                          f"{n} completions per step (prompts_per_step x num_generations)")
+    temp = float(gen.get("temperature", 1.0))
+    loss_temp = float(cfg.loss.get("temperature", 1.0))
+    if temp > 0 and not math.isclose(temp, loss_temp):
+        raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
+                          f"the log-probs must use the sampling temperature (set loss.temperature: "
+                          f"${{generation.temperature}})")
+    if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
+        raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
+        raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
+    build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry
+    return cfg
+
+
+class GRPORecipe:
+    """GRPO on one device (see the module docstring).
+
+    Args:
+        cfg (DictConfig): the config (validated here).
+
+    Example:
+        >>> history = GRPORecipe(OmegaConf.load("configs/tiny_grpo.yaml")).run()
+        >>> history[-1]["reward/mean"]
+    """
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = validate_grpo_config(cfg)
+        self.is_lora = "lora_rank" in cfg.model
+        self.history: List[Dict[str, float]] = []
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> Optional[Dict[str, Any]]:
+        cfg = self.cfg
+        if cfg.cpu_threads is not None:
+            torch.set_num_threads(cfg.cpu_threads)
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
+        self.seed = tt_training.set_seed(cfg.seed)
+        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self.dataset = tt_config.instantiate(cfg.dataset, self.tokenizer)
+        self.eval_dataset = (tt_config.instantiate(cfg.eval_dataset, self.tokenizer)
+                             if cfg.eval_dataset is not None and cfg.eval_every_n_steps is not None else None)
+        self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
+        gen = OmegaConf.to_container(cfg.generation, resolve=True)
+        gen.setdefault("stop_tokens", list(getattr(self.tokenizer, "stop_tokens", [self.tokenizer.eos_id])))
+        sampler_options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
+        self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device)
+        self.gen_kwargs = gen
+        self.pad_id = self.tokenizer.pad_id if getattr(self.tokenizer, "pad_id", None) is not None else 0
+
+        resume_dir = self._resume_dir()
+        self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
+                                      cfg.output_dir, keep_last_n=cfg.keep_last_n_checkpoints)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype)
+        adapter_keys = [k for k in model.state_dict() if "lora_" in k] if self.is_lora else None
+        if cfg.model_init == "checkpoint":
+            model_utils.load_weights(model, self.ckpt.load_model_state(), allow_missing=adapter_keys,
+                                     source=str(cfg.checkpointer.checkpoint_dir))
+        if self.is_lora:
+            model_utils.setup_lora(model)
+        self.loss_fn = tt_config.instantiate(cfg.loss)
+        self.loss_fn.set_model_output(model)
+        # the reference is the policy before any training (also when resuming)
+        self.reference = build_reference(model, getattr(self.loss_fn, "beta", 0.0), self.is_lora)
+        if resume_dir is not None:
+            if self.is_lora:
+                model_utils.load_weights(model, self.ckpt.load_adapter_state(resume_dir),
+                                         allow_missing=[k for k in model.state_dict() if k not in adapter_keys],
+                                         source=str(resume_dir))
+            else:
+                model_utils.load_weights(model, self.ckpt.load_model_state(resume_dir), source=str(resume_dir))
+        if cfg.enable_activation_checkpointing:
+            model_utils.apply_activation_checkpointing(model)
+        self.model = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = tt_config.instantiate(cfg.optimizer, params)
+        self.lr_scheduler = (tt_config.instantiate(cfg.lr_scheduler, self.optimizer)
+                             if cfg.lr_scheduler is not None else None)
+        state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            set_rng_state(state["rng"])
+        return state
+
+    def _resume_dir(self):
+        r = self.cfg.resume_from_checkpoint
+        if r is False:
+            return None
+        done = complete_checkpoints(self.cfg.output_dir)
+        if not done and r is True:
+            raise ConfigError(f"config key 'resume_from_checkpoint': true, but {self.cfg.output_dir!r} holds no "
+                              f"complete checkpoint (use 'auto' to start fresh when there is none)")
+        return done[-1] if done else None
+
+    # ------------------------------------------------------------------ pieces of a step
+    def prompts_for_step(self, step: int) -> List[Dict[str, Any]]:
+        """Rows of GRPO step ``step`` (0-based): a fixed shuffle per epoch, so resume needs only the step."""
+        n, k = len(self.dataset), self.cfg.prompts_per_step
+        rows = []
+        for idx in range(step * k, (step + 1) * k):
+            epoch, pos = divmod(idx, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            rows.append(self.dataset[int(perm[pos])])
+        return rows
+
+    def _sample(self, rows, num_generations: int, generator, evaluation: bool = False, **overrides):
+        kwargs = {**self.gen_kwargs, **overrides}
+        sample = self.eval_sample_fn if evaluation else self.sample_fn
+        rollout = sample(self.model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
+                           pad_id=self.pad_id, generator=generator, **kwargs)
+        texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
+                 for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
+        fields = {k: [r[k] for r in rows for _ in range(num_generations)]
+                  for k in rows[0] if k not in ("prompt", "prompt_tokens")}
+        return rollout, prompts, texts, fields
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Greedy accuracy (mean of ``eval_reward``) on the held-out prompts."""
+        cfg = self.cfg
+        rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))][: cfg.eval_num_prompts]
+        name = cfg.eval_reward or self.rewards[0].name
+        scores = []
+        for start in range(0, len(rows), cfg.eval_batch_size):
+            chunk = rows[start:start + cfg.eval_batch_size]
+            _, prompts, texts, fields = self._sample(chunk, 1, None, evaluation=True, temperature=0.0)
+            scores.append(compute_rewards(self.rewards, prompts, texts, fields, batch_id="eval")[name])
+        return {"eval/accuracy": float(torch.cat(scores).mean())}
+
+    def train_step(self, step: int) -> Dict[str, float]:
+        """One GRPO step (generation, rewards, advantages, update); returns its metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        rows = self.prompts_for_step(step)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
+        rollout, prompts, texts, fields = self._sample(rows, cfg.num_generations, gen)
+        t_gen = time.perf_counter()
+        rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
+        advantages = group_advantages(rewards["total"], cfg.num_generations, scale=cfg.advantage_scale)
+        batch = policy_batch(rollout, ignore_index=self.loss_fn.ignore_index)
+        upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, advantages.to(self.device),
+                          micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
+                          reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
+                          lr_scheduler=self.lr_scheduler)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_end = time.perf_counter()
+        lengths = rollout.completion_lengths.float()
+        n_tokens = int(rollout.prompt_mask.sum()) + int(lengths.sum())
+        metrics = {f"reward/{k}/mean" if k != "total" else "reward/mean": float(v.mean())
+                   for k, v in rewards.items()}
+        metrics.update({f"reward/{k}/std" if k != "total" else "reward/std": float(v.std())
+                        for k, v in rewards.items()})
+        metrics.update(upd)
+        metrics.update({
+            "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
+            "truncated_fraction": float(rollout.truncated.float().mean()),
+            "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
+            "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
+            "tokens_per_second": n_tokens / (t_end - t0), **peak_memory_gib(self.device)})
+        return metrics
+
+    def save(self, step: int) -> None:
+        """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG)."""
+        state = {"step": step, "optimizer": self.optimizer.state_dict(),
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                 "rng": rng_state(), "seed": self.seed, "config": config_summary(self.cfg)}
+        full_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        full_sd = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in full_sd.items()}
+        if self.is_lora:
+            adapter, merged = model_utils.lora_states(full_sd, self.cfg.model, merge=self.cfg.merge_adapters)
+            self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=merged, adapter_state=adapter,
+                           adapter_config=model_utils.adapter_config(self.cfg.model))
+        else:
+            self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=full_sd)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> List[Dict[str, float]]:
+        """Trains for ``max_steps`` GRPO steps; returns the metrics of every step this process ran."""
+        cfg = self.cfg
+        state = self._setup()
+        step = state["step"] if state is not None else 0
+        logger = build_metric_logger(cfg.metric_logger, cfg.output_dir)
+        if state is None:
+            logger.log_config(cfg)
+        bar = ProgressBar(cfg.max_steps, initial=step)
+        last_saved = step if state is not None else -1
+        self.model.train()
+        while step < cfg.max_steps:
+            metrics = self.train_step(step)
+            step += 1
+            if cfg.eval_every_n_steps is not None and step % cfg.eval_every_n_steps == 0:
+                metrics.update(self.evaluate())
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"GRPO loss is {metrics['loss']} at step {step}")
+            self.history.append({"step": step, **metrics})
+            bar.bar.set_description(f"reward {metrics['reward/mean']:.3f}", refresh=False)
+            bar.update(metrics)
+            if step % cfg.log_every_n_steps == 0 or step == cfg.max_steps:
+                logger.log_dict(metrics, step=step)
+            if cfg.save_every_n_steps is not None and step % cfg.save_every_n_steps == 0:
+                self.save(step)
+                last_saved = step
+        if cfg.save_final_checkpoint and last_saved != step:
+            self.save(step)
+        bar.close()
+        logger.close()
+        return self.history
+
+
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point of ``recipes/grpo_single_device.py``."""
+    GRPORecipe(cfg).run()

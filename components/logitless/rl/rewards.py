@@ -1,0 +1,261 @@
+"""Reward functions and the code that calls them.
+
+A reward function is any callable ``f(prompts, completions, **row_fields) -> list[float]``:
+``prompts`` and ``completions`` are lists of strings of equal length N (one entry per completion,
+a prompt repeated for each of its generations) and ``row_fields`` holds the dataset's other columns
+(e.g. ``answer``), each a list of length N. Unused fields are absorbed by ``**kwargs``.
+
+Recipes name them in YAML with weights::
+
+    rewards:
+      - function: logitless.rl.rewards.gsm8k_correctness
+        weight: 1.0
+      - function: logitless.rl.rewards.gsm8k_format
+        weight: 0.2
+
+The total reward of a completion is the weighted sum; every function's own mean and std are logged.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "RewardError",
+    "RewardSpec",
+    "build_reward_specs",
+    "compute_rewards",
+    "extract_final_number",
+    "gsm8k_correctness",
+    "gsm8k_format",
+    "parse_gsm8k_answer",
+]
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(_NUMBER)
+_HASH_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
+_BOXED_RE = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*\$?\s*(" + _NUMBER + r")", re.IGNORECASE)
+_FORMAT_RE = re.compile(r"####\s*\$?\s*(?:" + _NUMBER + r")\s*\.?\s*$")
+
+
+class RewardError(RuntimeError):
+    """A reward function failed, returned the wrong number of values, or returned NaN."""
+
+
+def _to_float(text: str) -> Optional[float]:
+    text = text.replace(",", "").rstrip(".")
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_gsm8k_answer(answer: str) -> Optional[float]:
+    """The reference number of a GSM8K ``answer`` field (the text after ``####``).
+
+    Args:
+        answer (str): e.g. ``"Natalia sold 48/2 = 24 clips ... #### 72"``; a bare number is accepted.
+
+    Returns:
+        Optional[float]: the number, or None if there is none.
+
+    Example:
+        >>> parse_gsm8k_answer("3 + 4 = 7\\n#### 1,007")
+        1007.0
+    """
+    m = _HASH_RE.search(answer)
+    if m:
+        return _to_float(m.group(1))
+    nums = _NUMBER_RE.findall(answer)
+    return _to_float(nums[-1]) if nums else None
+
+
+def extract_final_number(completion: str) -> Optional[float]:
+    """The model's final answer: the number after the last ``####``, else in ``\\boxed{}``,
+    else after "answer is", else the last number in the text.
+
+    Args:
+        completion (str): generated text.
+
+    Returns:
+        Optional[float]: the number, or None when the text has no number.
+
+    Example:
+        >>> extract_final_number("She has 3 + 4 = 7 apples.\\n#### 7")
+        7.0
+    """
+    for pattern in (_HASH_RE, _BOXED_RE, _ANSWER_IS_RE):
+        found = pattern.findall(completion)
+        if found:
+            return _to_float(found[-1])
+    nums = _NUMBER_RE.findall(completion)
+    return _to_float(nums[-1]) if nums else None
+
+
+def gsm8k_correctness(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
+                      **row_fields: Any) -> List[float]:
+    """1.0 when the completion's final number equals the reference answer's, else 0.0.
+
+    Args:
+        prompts (Sequence[str]): prompts (unused).
+        completions (Sequence[str]): generated texts.
+        answer (Sequence[str]): GSM8K answer fields (``"... #### 72"``) or bare numbers.
+        **row_fields: other dataset columns (ignored).
+
+    Returns:
+        List[float]: one reward per completion.
+
+    Example:
+        >>> gsm8k_correctness(["q"], ["so 72 in total. #### 72"], answer=["... #### 72"])
+        [1.0]
+    """
+    out = []
+    for completion, ref in zip(completions, answer):
+        target = parse_gsm8k_answer(str(ref))
+        got = extract_final_number(completion)
+        ok = target is not None and got is not None and math.isclose(got, target, rel_tol=0, abs_tol=1e-6)
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+def gsm8k_format(prompts: Sequence[str], completions: Sequence[str], **row_fields: Any) -> List[float]:
+    """1.0 when the completion ends with a ``#### <number>`` line (the GSM8K answer format).
+
+    Args:
+        prompts (Sequence[str]): prompts (unused).
+        completions (Sequence[str]): generated texts.
+        **row_fields: dataset columns (ignored).
+
+    Returns:
+        List[float]: one reward per completion.
+
+    Example:
+        >>> gsm8k_format(["q", "q"], ["so 7. #### 7", "the answer is 7"])
+        [1.0, 0.0]
+    """
+    return [1.0 if _FORMAT_RE.search(c.strip()) else 0.0 for c in completions]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward function with its weight and the name its metrics are logged under."""
+
+    name: str
+    function: Callable[..., Sequence[float]]
+    weight: float = 1.0
+
+
+def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]:
+    """Resolves YAML reward entries ``{function: dotted.path, weight: float, name: str?}``.
+
+    Args:
+        entries (Sequence[Mapping]): the ``rewards`` list of a config. ``function`` is a dotted
+            path to a callable or the callable itself; ``weight`` defaults to 1.0; ``name``
+            defaults to the function's last path component.
+
+    Returns:
+        List[RewardSpec]: one per entry.
+
+    Raises:
+        ValueError: on an empty list, a missing/unknown function, a non-finite weight or duplicate names.
+
+    Example:
+        >>> [s.name for s in build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_format"}])]
+        ['gsm8k_format']
+    """
+    from torchtune.config._utils import _get_component_from_path
+
+    if not entries:
+        raise ValueError("rewards must list at least one reward function, got none")
+    specs = []
+    for i, entry in enumerate(entries):
+        if "function" not in entry:
+            raise ValueError(f"rewards[{i}] needs a 'function' (dotted path to a callable), got keys {list(entry)}")
+        fn = entry["function"]
+        if isinstance(fn, str):
+            try:
+                fn = _get_component_from_path(fn)
+            except Exception as e:  # torchtune raises InstantiationError
+                raise ValueError(f"rewards[{i}].function={entry['function']!r} cannot be imported: {e}") from e
+        if not callable(fn):
+            raise ValueError(f"rewards[{i}].function must be callable, got {type(fn).__name__}")
+        weight = float(entry.get("weight", 1.0))
+        if not math.isfinite(weight):
+            raise ValueError(f"rewards[{i}].weight must be finite, got {weight}")
+        name = entry.get("name") or getattr(fn, "__name__", type(fn).__name__)
+        specs.append(RewardSpec(name=str(name), function=fn, weight=weight))
+    names = [s.name for s in specs]
+    if "total" in names:
+        raise ValueError("reward name 'total' is reserved for the weighted sum; set another 'name:'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward names must be unique (set 'name:' to disambiguate), got {names}")
+    return specs
+
+
+def compute_rewards(
+    specs: Sequence[RewardSpec],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    row_fields: Optional[Mapping[str, Sequence[Any]]] = None,
+    *,
+    batch_id: Any = None,
+) -> Dict[str, torch.Tensor]:
+    """Calls every reward function and checks what it returns.
+
+    Args:
+        specs (Sequence[RewardSpec]): from :func:`build_reward_specs`.
+        prompts (Sequence[str]): N prompt strings.
+        completions (Sequence[str]): N completion strings.
+        row_fields (Mapping[str, Sequence]): dataset columns, each of length N.
+        batch_id (Any): identifies the batch in error messages (e.g. the training step).
+
+    Returns:
+        Dict[str, torch.Tensor]: ``{name: (N,) float32}`` for each function plus ``"total"``,
+        the weighted sum.
+
+    Raises:
+        RewardError: naming the function and batch when a function raises, returns a length
+            other than N or a non-number, or returns NaN (naming the prompt and completion).
+
+    Example:
+        >>> specs = build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_format"}])
+        >>> compute_rewards(specs, ["q"], ["#### 3"])["total"]
+        tensor([1.])
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"prompts and completions must have the same length, got {len(prompts)} and {n}")
+    row_fields = dict(row_fields or {})
+    for key, values in row_fields.items():
+        if len(values) != n:
+            raise ValueError(f"row field {key!r} has {len(values)} values, expected {n} (one per completion)")
+    out: Dict[str, torch.Tensor] = {}
+    total = torch.zeros(n, dtype=torch.float32)
+    where = f"batch {batch_id}" if batch_id is not None else "this batch"
+    for spec in specs:
+        try:
+            values = spec.function(list(prompts), list(completions), **row_fields)
+        except Exception as e:
+            raise RewardError(f"reward function {spec.name!r} raised on {where} ({n} completions): "
+                              f"{type(e).__name__}: {e}") from e
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward function {spec.name!r} must return a list of floats, on {where} "
+                              f"it returned {type(values).__name__}: {e}") from e
+        if len(values) != n:
+            raise RewardError(f"reward function {spec.name!r} returned {len(values)} rewards on {where}, "
+                              f"expected {n} (one per completion)")
+        for i, v in enumerate(values):
+            if math.isnan(v) or math.isinf(v):
+                raise RewardError(f"reward function {spec.name!r} returned {v} on {where} for completion {i}; "
+                                  f"prompt: {prompts[i]!r}; completion: {completions[i]!r}")
+        t = torch.tensor(values, dtype=torch.float32)
+        out[spec.name] = t
+        total += spec.weight * t
+    out["total"] = total
+    return out

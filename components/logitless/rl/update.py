@@ -1,0 +1,111 @@
+"""One GRPO policy update over a generation batch: old/reference log-probs, micro-batched
+backward with gradient accumulation, ``num_iterations`` optimizer steps."""
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from logitless.rl.batch import PolicyBatch, policy_forward
+from logitless.rl.reference import ReferencePolicy
+
+
+@torch.no_grad()
+def batch_log_probs(model: nn.Module, loss_fn, batch: PolicyBatch, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs of the current policy on the training path (old log-probs), micro-batched.
+
+    Args:
+        model (nn.Module): the policy, output mode set by ``loss_fn.set_model_output``.
+        loss_fn: a ``GRPOLoss``.
+        batch (PolicyBatch): the whole generation batch.
+        micro_batch_size (int): rows per forward.
+
+    Returns:
+        torch.Tensor: ``(N, S)`` fp32.
+    """
+    return torch.cat([loss_fn.log_probs(policy_forward(model, mb), mb.labels)
+                      for mb in batch.micro_batches(micro_batch_size)])
+
+
+def grpo_update(
+    model: nn.Module,
+    loss_fn,
+    optimizer: torch.optim.Optimizer,
+    batch: PolicyBatch,
+    advantages: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    num_iterations: int = 1,
+    reference: Optional[ReferencePolicy] = None,
+    clip_grad_norm: Optional[float] = None,
+    lr_scheduler=None,
+) -> Dict[str, float]:
+    """Runs ``num_iterations`` optimizer steps on one generation batch.
+
+    Old log-probs are recomputed on the training path before the first step when
+    ``num_iterations > 1`` (with one iteration they equal the current ones, ratio 1); reference
+    log-probs are computed once when ``reference`` is given. Each optimizer step accumulates the
+    gradients of all micro-batches; the loss's normalisers count the whole batch.
+
+    Args:
+        model (nn.Module): the policy (train mode).
+        loss_fn: ``logitless.losses.GRPOLoss``.
+        optimizer (torch.optim.Optimizer): over the trainable parameters.
+        batch (PolicyBatch): the generation batch (N rows).
+        advantages (torch.Tensor): ``(N,)``.
+        micro_batch_size (int): rows per forward/backward; must divide N.
+        num_iterations (int): optimizer steps on this batch (>= 1).
+        reference (Optional[ReferencePolicy]): the KL reference (needed when ``loss_fn.beta > 0``).
+        clip_grad_norm (Optional[float]): max total gradient norm.
+        lr_scheduler: stepped after every optimizer step.
+
+    Returns:
+        Dict[str, float]: token-weighted means of the loss metrics over the last iteration, plus
+        ``loss`` (sum of micro-batch losses) and ``grad_norm`` (before clipping).
+    """
+    if num_iterations < 1:
+        raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
+    if getattr(loss_fn, "beta", 0) > 0 and reference is None:
+        raise ValueError("loss_fn.beta > 0 needs a reference policy")
+    n = len(batch)
+    if micro_batch_size < 1 or n % micro_batch_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch of {n} completions")
+    loss_fn.set_model_output(model)
+    micro = list(batch.micro_batches(micro_batch_size))
+    starts = range(0, n, micro_batch_size)
+    old = batch_log_probs(model, loss_fn, batch, micro_batch_size) if num_iterations > 1 else None
+    ref = None
+    if reference is not None:
+        ref = torch.cat([reference.log_probs(loss_fn, mb) for mb in micro])
+        loss_fn.set_model_output(model)
+    total_tokens = loss_fn.num_loss_tokens(batch.labels, batch.truncated)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for _ in range(num_iterations):
+        sums: Dict[str, float] = {}
+        weights: Dict[str, float] = {}
+        loss_total = 0.0
+        for start, mb in zip(starts, micro):
+            rows = slice(start, start + micro_batch_size)
+            loss, metrics = loss_fn(
+                policy_forward(model, mb), mb.labels, advantages[rows],
+                old_log_probs=None if old is None else old[rows],
+                ref_log_probs=None if ref is None else ref[rows],
+                truncated=mb.truncated, total_sequences=n, total_tokens=total_tokens,
+                num_micro_batches=len(micro),
+            )
+            loss.backward()
+            loss_total += float(loss.detach())
+            w = float(metrics["num_tokens"])
+            for k, v in metrics.items():
+                if k != "num_tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * w
+                    weights[k] = weights.get(k, 0.0) + w
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, max_norm=float("inf") if clip_grad_norm is None else clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+    out = {k: sums[k] / max(weights[k], 1.0) for k in sums}
+    out.update(loss=loss_total, grad_norm=float(grad_norm), num_loss_tokens=float(total_tokens))
+    return out

@@ -1,0 +1,124 @@
+"""grpo_single_device on the tiny config: end to end (CLI), metrics, exact resume, LoRA and full
+references, and config errors raised before anything is built."""
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from logitless.rl.recipe import GRPORecipe
+from logitless.training.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["prompts_per_step=4", "num_generations=4", "micro_batch_size=8", "generation.max_new_tokens=3",
+         "eval_num_prompts=4", "eval_every_n_steps=2", "log_every_n_steps=1", "cpu_threads=1"]
+
+
+def tiny_cfg(tmp_path, *overrides):
+    cfg = OmegaConf.load(ROOT / "configs/tiny_grpo.yaml")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"output_dir={tmp_path}", *SMALL, *overrides]))
+    cfg.checkpointer.checkpoint_dir = str(ROOT / cfg.checkpointer.checkpoint_dir)
+    return cfg
+
+
+def _weights(step_dir):
+    sd = {}
+    for f in sorted(glob.glob(os.path.join(step_dir, "*.safetensors"))):
+        sd.update(load_file(f))
+    return sd
+
+
+def test_cli_end_to_end(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "components"), str(ROOT / "recipes"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(ROOT / "recipes/grpo_single_device.py"), "--config", str(ROOT / "configs/tiny_grpo.yaml"),
+           f"output_dir={tmp_path}", "max_steps=2", *SMALL,
+           f"checkpointer.checkpoint_dir={ROOT / 'components/logitless/rl/assets/tiny_grpo_warmstart'}"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from logitless.training.metric_logging import read_disk_log
+
+    log = read_disk_log(glob.glob(str(tmp_path / "logs" / "log_*.txt"))[0])
+    for key in ("reward/mean", "reward/std", "reward/gsm8k_correctness/mean", "reward/gsm8k_format/std", "entropy",
+                "clip_ratio/region", "completion_length/mean", "tokens_per_second", "peak_rss_gib", "loss",
+                "grad_norm", "eval/accuracy"):
+        assert key in log, key
+    assert sorted(log["reward/mean"]) == [1, 2]
+    assert (tmp_path / "step_000002" / "recipe_state.pt").is_file()
+
+
+LORA = ["model._component_=logitless.models.lora_qwen2_5_tiny", "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.lora_rank=4", "model.lora_alpha=8", "optimizer.lr=1e-2", "loss.beta=0.05"]
+
+
+@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
+def test_exact_resume(tmp_path, extra):
+    straight = GRPORecipe(tiny_cfg(tmp_path / "a", "max_steps=4", "save_every_n_steps=2", *extra)).run()
+    GRPORecipe(tiny_cfg(tmp_path / "b", "max_steps=2", *extra)).run()
+    resumed = GRPORecipe(tiny_cfg(tmp_path / "b", "max_steps=4", "resume_from_checkpoint=True", *extra)).run()
+    assert [h["step"] for h in resumed] == [3, 4]
+    for want, got in zip(straight[2:], resumed):
+        for key in ("reward/mean", "loss", "grad_norm", "entropy", "completion_length/mean"):
+            assert want[key] == got[key], (key, want[key], got[key])
+    if extra:  # LoRA: compare the saved adapters
+        a = torch.load(tmp_path / "a" / "step_000004" / "adapter_model.pt")
+        b = torch.load(tmp_path / "b" / "step_000004" / "adapter_model.pt")
+    else:
+        a, b = _weights(tmp_path / "a" / "step_000004"), _weights(tmp_path / "b" / "step_000004")
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_full_finetune_with_frozen_reference(tmp_path):
+    recipe = GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "loss.beta=0.05", "save_final_checkpoint=False",
+                                 "optimizer.lr=1e-2"))
+    hist = recipe.run()
+    assert recipe.reference is not None and recipe.reference.model is not recipe.model
+    assert not any(p.requires_grad for p in recipe.reference.model.parameters())
+    assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert hist[1]["kl"] > 0
+
+
+def test_lora_reference_is_the_policy_with_adapters_disabled(tmp_path):
+    recipe = GRPORecipe(tiny_cfg(
+        tmp_path, "max_steps=2", "loss.beta=0.05", "optimizer.lr=5e-2", "save_final_checkpoint=False",
+        "num_iterations=2",
+        "model._component_=logitless.models.lora_qwen2_5_tiny", "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.lora_rank=4", "model.lora_alpha=8"))
+    hist = recipe.run()
+    assert recipe.reference.model is recipe.model and recipe.reference.disable_adapters
+    trainable = [n for n, p in recipe.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # metrics are those of the last iteration: after one optimizer step the policy has left the
+    # reference (KL > 0) and the recomputed old log-probs (ratios != 1)
+    assert hist[0]["kl"] > 0 and hist[1]["kl"] > 0
+
+
+@pytest.mark.parametrize("override, match", [
+    ("num_generations=1", "num_generations"),
+    ("micro_batch_size=5", "micro_batch_size"),
+    ("loss.temperature=0.5", "loss.temperature"),
+    ("rewards=[{function: logitless.rl.rewards.nope}]", "cannot be imported"),
+    ("generation.temprature=1.0", "generation.temprature"),
+])
+def test_config_errors(tmp_path, override, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        GRPORecipe(tiny_cfg(tmp_path, override))
+
+
+def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
+    from logitless.rl.recipe import validate_grpo_config
+
+    cfg = OmegaConf.load(ROOT / "configs/qwen_grpo.yaml")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+        "model_init=random", "tokenizer._component_=logitless.data.synthetic_tokenizer",
+        "dataset._component_=logitless.rl.data.synthetic_prompt_dataset", "eval_every_n_steps=null"]))
+    validate_grpo_config(cfg)
+    assert cfg.loss.temperature == cfg.generation.temperature
+    with pytest.raises(ConfigError, match="does not exist"):  # the real config points at tune download paths
+        validate_grpo_config(OmegaConf.load(ROOT / "configs/qwen_grpo.yaml"))

@@ -1,0 +1,264 @@
+"""The fast sampler against the eager reference sampler and a naive full-recompute loop (CPU, fp32)."""
+
+import copy
+
+import pytest
+import torch
+from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
+
+import logitless
+from logitless.modules import wrap_output_head
+from logitless.rl import fast_generation
+from logitless.rl.fast_generation import FastGenerator, generate as fast_generate
+from logitless.rl.generation import generate as eager_generate
+
+VOCAB = 97
+NEVER = [-1]  # a stop id no sampler can produce: completions run to max_new_tokens
+PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 11, 12]]  # different lengths: left padding matters
+
+
+def tiny(tied=True, lora=False, seed=0, kv_heads=2):
+    torch.manual_seed(seed)
+    dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=kv_heads, embed_dim=32,
+                intermediate_dim=64, max_seq_len=128, tie_word_embeddings=tied)
+    if not lora:
+        return _soften(qwen2(**dims))
+    model = lora_qwen2(["q_proj", "v_proj"], apply_lora_to_mlp=False, apply_lora_to_output=not tied,
+                       lora_rank=4, lora_alpha=8.0, **dims)
+    with torch.no_grad():  # torchtune zero-inits lora_b; make the adapters matter
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(0, 0.1)
+    return _soften(model)
+
+
+def _soften(model):
+    # nn.Embedding's N(0, 1) init makes a tied head repeat the last token with probability ~1;
+    # smaller embeddings give spread-out distributions, so sampling tests see many tokens
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(0.1)
+    return model
+
+
+def naive_greedy(model, prompt, max_new_tokens, stop_tokens):
+    """Full recompute of the unpadded sequence at every step, no cache: the independent oracle."""
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tok = int(model(torch.tensor([seq]))[0, -1].argmax())
+            seq.append(tok)
+            out.append(tok)
+            if tok in stop_tokens:
+                break
+    return out
+
+
+def completions(rollout):
+    return [t[m].tolist() for t, m in zip(rollout.completion_tokens, rollout.completion_mask)]
+
+
+def uncompiled(**kw):
+    return FastGenerator(compile=False, **kw)
+
+
+@pytest.mark.parametrize("tied,lora", [(True, False), (False, False), (False, True)])
+def test_greedy_equals_reference_sampler_and_naive_loop(tied, lora):
+    model = tiny(tied=tied, lora=lora).eval()
+    kw = dict(max_new_tokens=9, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=1.0, top_k=1)
+    assert all(fast_generation._groupable(layer) for layer in model.layers)  # grouped path runs
+    fast = uncompiled(cache_len_multiple=7)(model, PROMPTS, **kw)
+    ref = eager_generate(model, PROMPTS, **kw)
+    ungrouped = uncompiled(grouped_attention=False)(model, PROMPTS, **kw)
+    assert torch.equal(ungrouped.completion_tokens, ref.completion_tokens)
+    torch.testing.assert_close(ungrouped.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+    assert torch.equal(fast.completion_tokens, ref.completion_tokens)
+    assert torch.equal(fast.completion_mask, ref.completion_mask)
+    assert torch.equal(fast.prompt_tokens, ref.prompt_tokens)
+    assert torch.equal(fast.prompt_mask, ref.prompt_mask)
+    assert torch.equal(fast.truncated, ref.truncated) and bool(fast.truncated.all())
+    torch.testing.assert_close(fast.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+    expected = [naive_greedy(model, p, 9, NEVER) for p in PROMPTS for _ in range(2)]
+    assert completions(fast) == expected
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])  # query heads per K/V head: 4, 2, 1
+def test_temperature_zero_is_greedy_for_any_head_grouping(kv_heads):
+    model = tiny(kv_heads=kv_heads).eval()
+    out = uncompiled()(model, PROMPTS, max_new_tokens=6, stop_tokens=NEVER, pad_id=0, temperature=0)
+    assert completions(out) == [naive_greedy(model, p, 6, NEVER) for p in PROMPTS]
+    ref = eager_generate(model, PROMPTS, max_new_tokens=6, stop_tokens=NEVER, pad_id=0, temperature=0)
+    torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+
+
+def test_wrapped_model_in_hidden_mode_and_one_new_token():
+    model = tiny().eval()
+    expected = [naive_greedy(model, p, 5, NEVER) for p in PROMPTS]
+    wrap_output_head(model).set_output_mode("hidden")  # as a logitless recipe leaves the policy
+    out = uncompiled()(model, PROMPTS, max_new_tokens=5, stop_tokens=NEVER, pad_id=0, temperature=0)
+    assert completions(out) == expected
+    one = uncompiled()(model, PROMPTS, max_new_tokens=1, stop_tokens=NEVER, pad_id=0, temperature=0)
+    assert completions(one) == [e[:1] for e in expected] and bool(one.truncated.all())
+    assert model.output_mode_name == "hidden"
+
+
+def test_layers_with_hooks_are_called_as_modules():
+    # FSDP2 and activation checkpointing act through the layer's __call__: never bypass it then
+    model = tiny().eval()
+    expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
+    calls = []
+    model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    assert not fast_generation._groupable(model.layers[1]) and fast_generation._groupable(model.layers[0])
+    out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
+    assert completions(out) == expected
+    assert calls == [5, 1, 1, 1]  # the prefill (width 5), then one call per decode step
+
+
+def training_log_probs(model, rollout, temperature):
+    """log p(completion token) on the training path: hidden states of the unpadded sequence, then
+    logitless.linear_log_probs at the sampling temperature."""
+    wrapped = wrap_output_head(copy.deepcopy(model)).eval()
+    wrapped.set_output_mode("hidden")
+    result = torch.zeros_like(rollout.sampler_log_probs)
+    with torch.no_grad():
+        for i in range(rollout.prompt_tokens.shape[0]):
+            prompt = rollout.prompt_tokens[i][rollout.prompt_mask[i]]
+            comp = rollout.completion_tokens[i][rollout.completion_mask[i]]
+            seq = torch.cat([prompt, comp])[None]
+            hidden, weight = wrapped(seq)
+            labels = torch.full_like(seq, -100)
+            labels[0, len(prompt) - 1:-1] = comp  # position t predicts token t + 1
+            logp, _ = logitless.linear_log_probs(hidden, weight, labels, temperature=temperature,
+                                                 return_entropy=False, impl="torch")
+            result[i, :len(comp)] = logp[0, len(prompt) - 1:-1]
+    return result
+
+
+def test_sampled_log_probs_equal_training_path_and_reference_draws():
+    model = tiny(seed=1).eval()
+    kw = dict(max_new_tokens=10, stop_tokens=[7, 11, 19], pad_id=0, num_generations=3,
+              temperature=0.7, top_k=40, top_p=0.95)
+    fast = uncompiled()(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
+    torch.testing.assert_close(fast.sampler_log_probs, training_log_probs(model, fast, 0.7),
+                               atol=2e-5, rtol=0)
+    # same draws as the reference sampler: prefill of one prompt per group changes nothing
+    ref = eager_generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(fast.completion_tokens, ref.completion_tokens)
+    assert torch.equal(fast.completion_mask, ref.completion_mask)
+    # G samples of one prompt differ (the rows really are independent after replication)
+    assert len({tuple(c) for c in completions(fast)[:3]}) > 1
+
+
+def test_stop_tokens_mask_the_rest_and_set_truncated():
+    model = tiny().eval()
+    free = uncompiled()(model, PROMPTS, max_new_tokens=8, stop_tokens=NEVER, pad_id=0, temperature=0)
+    stop = int(free.completion_tokens[0, 2])  # row 0 must stop at step 2 (or earlier)
+    out = uncompiled(sync_every=1)(model, PROMPTS, max_new_tokens=8, stop_tokens=[stop], pad_id=0,
+                                   temperature=0)
+    for i, row in enumerate(free.completion_tokens.tolist()):
+        n = row.index(stop) + 1 if stop in row else len(row)
+        assert out.completion_tokens[i, :n].tolist() == row[:n]
+        assert out.completion_mask[i].tolist() == [True] * n + [False] * (out.completion_mask.shape[1] - n)
+        assert (out.completion_tokens[i, n:] == 0).all()
+        assert (out.sampler_log_probs[i, n:] == 0).all()
+        assert bool(out.truncated[i]) == (stop not in row)
+    assert out.completion_tokens.shape[1] == int(out.completion_lengths.max())
+
+
+def test_early_exit_check_period_does_not_change_the_result():
+    model = tiny().eval()
+    kw = dict(max_new_tokens=12, stop_tokens=list(range(0, VOCAB, 3)), pad_id=0, num_generations=2)
+    a = uncompiled(sync_every=1)(model, PROMPTS, generator=torch.Generator().manual_seed(0), **kw)
+    b = uncompiled(sync_every=64)(model, PROMPTS, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(a.completion_tokens, b.completion_tokens)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+
+
+def test_training_forward_is_causal_after_generation_even_on_error(monkeypatch):
+    model = tiny().train()
+    fresh = copy.deepcopy(model)
+    tokens = torch.randint(1, VOCAB, (2, 12))
+    uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, num_generations=2)
+    assert model.training and not model.caches_are_setup()
+    torch.testing.assert_close(model(tokens), fresh(tokens), atol=0, rtol=0)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(fast_generation, "sample_next", boom)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        FastGenerator(compile=False, keep_cache=True)(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER,
+                                                      pad_id=0)
+    assert model.training and not model.caches_are_setup()
+    assert not any(getattr(m, "cache_enabled", False) for m in model.modules())
+    torch.testing.assert_close(model(tokens), fresh(tokens), atol=0, rtol=0)
+
+
+def test_compiled_step_matches_uncompiled_and_is_reused():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny().eval()
+    kw = dict(max_new_tokens=6, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
+    # aot_eager functionalises the in-place cache updates as inductor does, without a C++ build
+    sampler = FastGenerator(compile=True, backend="aot_eager", cache_len_multiple=16)
+    first = sampler(model, PROMPTS, **kw)
+    assert counters["stats"]["unique_graphs"] == 1  # fullgraph: the whole step is one graph
+    assert torch.equal(first.completion_tokens, uncompiled()(model, PROMPTS, **kw).completion_tokens)
+    caches = sampler._state["caches"]
+    other = [[4, 4, 2], [9, 8, 7, 6], [1]]  # another width, same cache bucket: same graph and buffers
+    second = sampler(model, other, **kw)
+    assert sampler._state["caches"] is caches
+    assert counters["stats"]["unique_graphs"] == 1  # no recompilation
+    assert completions(second) == [naive_greedy(model, p, 6, NEVER) for p in other for _ in range(2)]
+    assert not model.caches_are_setup()
+    sampler.release()
+    assert sampler._state is None
+
+
+def test_module_generate_reuses_one_sampler_per_model():
+    model = tiny().eval()
+    kw = dict(max_new_tokens=3, stop_tokens=NEVER, pad_id=0, temperature=0, compile=False)
+    fast_generate(model, PROMPTS, **kw)
+    sampler = fast_generation._SAMPLERS[model]
+    out = fast_generate(model, PROMPTS, **kw)
+    assert fast_generation._SAMPLERS[model] is sampler
+    assert completions(out) == [naive_greedy(model, p, 3, NEVER) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(num_generations=0), "num_generations"),
+    (dict(stop_tokens=[]), "stop_tokens"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_bad_call_arguments_name_the_argument(kwargs, name):
+    args = dict(max_new_tokens=2, stop_tokens=[0], pad_id=0, num_generations=1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        uncompiled()(tiny(), PROMPTS, **args)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(sync_every=0), "sync_every"),
+    (dict(cache_len_multiple=0), "cache_len_multiple"),
+    (dict(max_cache_len=1), "max_cache_len"),
+    (dict(compile="yes"), "compile"),
+    (dict(grouped_attention=None), "grouped_attention"),
+])
+def test_bad_options_name_the_option(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        FastGenerator(**kwargs)
+
+
+def test_refuses_model_with_caches_and_too_small_cache():
+    model = tiny()
+    with pytest.raises(ValueError, match="max_cache_len"):
+        FastGenerator(compile=False, max_cache_len=6)(model, PROMPTS, max_new_tokens=4, stop_tokens=[0],
+                                                      pad_id=0)
+    model.setup_caches(1, torch.float32, decoder_max_seq_len=8)
+    with pytest.raises(ValueError, match="already set up"):
+        uncompiled()(model, PROMPTS, max_new_tokens=2, stop_tokens=[0], pad_id=0)
