@@ -42,8 +42,11 @@ def test_fused_policy_objective_matches_autograd(dtype, need_entropy):
                                  **{**kw, "kl_ref": ref.double()})
     want.backward()
 
-    def objective(lp, ent, s, e):
-        return _clipped_policy_terms(lp, ent, old[s:e], adv[s:e], wts[s:e], **{**kw, "kl_ref": ref[s:e]})
+    seen = []
+
+    def objective(lp, ent, rows):
+        seen.append(rows)
+        return _clipped_policy_terms(lp, ent, old[rows], adv[rows], wts[rows], **{**kw, "kl_ref": ref[rows]})
 
     hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     got, got_lp, got_ent = chunked.linear_token_objective(
@@ -56,3 +59,5 @@ def test_fused_policy_objective_matches_autograd(dtype, need_entropy):
     torch.testing.assert_close((hh.grad.double() / 1.5), h64.grad, **tol)
     torch.testing.assert_close((ww.grad.double() / 1.5), w64.grad, **tol)
     assert (got_ent is not None) == need_entropy
+    # every non-ignored row is passed exactly once, ignored rows never
+    assert torch.equal(torch.cat(seen).sort().values, torch.nonzero(labels != -100).squeeze(1))

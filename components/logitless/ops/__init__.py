@@ -1,5 +1,10 @@
 """Differentiable LM-head primitives: ``reference`` (oracle), ``chunked`` (PyTorch), ``triton`` (fused)."""
 
-from logitless.ops.dispatch import linear_cross_entropy, linear_log_probs, resolve_impl
+from logitless.ops.dispatch import (
+    linear_cross_entropy,
+    linear_log_probs,
+    linear_token_objective,
+    resolve_impl,
+)
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "resolve_impl"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "resolve_impl"]

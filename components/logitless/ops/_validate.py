@@ -39,6 +39,17 @@ def check_chunk_size(chunk_size: Optional[int]) -> None:
         raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
 
 
+def check_token_objective(token_objective, need_entropy) -> None:
+    """``token_objective`` must be callable as ``f(logp, ent, rows)``; ``need_entropy`` a bool."""
+    if not callable(token_objective):
+        raise ValueError(
+            f"token_objective must be a callable f(logp, ent, rows) -> scalar tensor, got "
+            f"{type(token_objective).__name__}"
+        )
+    if not isinstance(need_entropy, bool):
+        raise ValueError(f"need_entropy must be a bool, got {need_entropy!r}")
+
+
 def check_head_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -298,8 +298,14 @@ class _LinearTokenObjective(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logp_all = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         ent_all = torch.zeros(n, dtype=torch.float32, device=hidden.device) if need_entropy else None
-        for start in range(0, n, chunk_size):
+        # The objective sees non-ignored rows only, named by their row index (as in the Triton head,
+        # which compacts ignored rows away); the chunk bounds in that index list cost one host sync.
+        idx_all = torch.nonzero(valid_all).squeeze(1)
+        starts = torch.arange(0, n + chunk_size, chunk_size, device=hidden.device)
+        bounds = torch.searchsorted(idx_all, starts).tolist()
+        for ci, start in enumerate(range(0, n, chunk_size)):
             stop = min(start + chunk_size, n)
+            rows = idx_all[bounds[ci] : bounds[ci + 1]]
             h, v = hidden[start:stop], valid_all[start:stop]
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
@@ -308,12 +314,15 @@ class _LinearTokenObjective(torch.autograd.Function):
             p = logq.exp()
             logp = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0).float()
             ent = torch.where(v, -(p * logq).sum(-1), 0.0).float() if need_entropy else None
+            local = rows - start
             with torch.enable_grad():
-                lp_leaf = logp.detach().requires_grad_()
-                ent_leaf = ent.detach().requires_grad_() if need_entropy else None
-                value = token_objective(lp_leaf, ent_leaf, start, stop)
+                lp_leaf = logp[local].requires_grad_()
+                ent_leaf = ent[local].requires_grad_() if need_entropy else None
+                value = token_objective(lp_leaf, ent_leaf, rows)
                 leaves = [lp_leaf] + ([ent_leaf] if need_entropy else [])
                 grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * len(leaves)
+            # Back onto the chunk's rows (ignored rows get no gradient).
+            grads = [None if g is None else torch.zeros_like(logp).index_copy_(0, local, g.float()) for g in grads]
             total = total + value.detach().float()
             logp_all[start:stop] = logp
             if need_entropy:
@@ -364,10 +373,12 @@ def linear_token_objective(
         hidden (torch.Tensor): ``(N, H)``.
         weight (torch.Tensor): ``(V, H)``.
         labels (torch.Tensor): ``(N,)``; ignored positions get ``logp = H = 0`` and no gradient.
-        token_objective (Callable): ``f(logp, ent, start, stop) -> scalar``: the summed objective of
-            rows ``start:stop`` given their fp32 log-probs and entropies (``ent`` is None unless
-            ``need_entropy``). It must be a sum of per-token terms; differentiable torch code. Row
-            constants (advantages, old/ref log-probs, weights) are sliced by the callable.
+        token_objective (Callable): ``f(logp, ent, rows) -> scalar``: the summed objective of the
+            rows ``rows`` (a 1-D int64 tensor of indices into the ``N`` rows: non-ignored rows
+            only, each passed exactly once over all calls) given their fp32 log-probs and
+            entropies of shape ``(len(rows),)`` (``ent`` is None unless ``need_entropy``). It must
+            be a sum of per-token terms, in differentiable torch code; per-row constants
+            (advantages, old/reference log-probs, weights) are gathered by it as ``const[rows]``.
         ignore_index (int): label of rows without a term.
         temperature (float): divides the logits.
         need_entropy (bool): compute the entropy and pass it to ``token_objective``.
@@ -380,7 +391,7 @@ def linear_token_objective(
 
     Example:
         >>> adv = torch.randn(5)
-        >>> obj = lambda lp, ent, s, e: -(adv[s:e] * lp).sum()
+        >>> obj = lambda lp, ent, rows: -(adv[rows] * lp).sum()
         >>> loss, logp, _ = linear_token_objective(torch.randn(5, 8, requires_grad=True), torch.randn(11, 8), torch.arange(5), obj)
         >>> loss.backward()
     """

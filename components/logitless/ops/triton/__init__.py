@@ -5,7 +5,10 @@ Entry points called by :mod:`logitless.ops.dispatch` after validation, with hidd
 
 * :func:`linear_cross_entropy` -- mean/sum with gradients computed in the forward (3 GEMMs per
   step), ``"none"`` through the recompute path (4 GEMMs);
-* :func:`linear_log_probs` -- per-token log-probs and entropy, any upstream gradients.
+* :func:`linear_log_probs` -- per-token log-probs and entropy, any upstream gradients;
+* :func:`linear_token_objective` -- a sum of per-token terms of (log-prob, entropy), such as the
+  GRPO policy loss, with gradients computed in the forward (3 GEMMs; a plain autograd.Function,
+  see :mod:`logitless.ops.triton.token_objective`).
 
 Example:
     >>> import torch
@@ -22,8 +25,9 @@ import torch
 
 from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from logitless.ops.triton.head import chunk_rows
+from logitless.ops.triton.token_objective import linear_token_objective
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "chunk_rows"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "chunk_rows"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

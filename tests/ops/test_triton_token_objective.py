@@ -1,0 +1,212 @@
+"""The Triton ``linear_token_objective`` (gradients in the forward) against float64 autograd.
+
+As in ``test_triton_head.py``: without CUDA the kernels run in Triton's CPU interpreter, which
+must be chosen before triton is first imported; if another test module imported it first, this
+module reruns itself in a subprocess with ``TRITON_INTERPRET=1`` and skips its in-process copies.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+_prev = os.environ.get("TRITON_INTERPRET")
+_SUBPROCESS = not _CUDA and "triton" in sys.modules and _prev != "1"
+if not _CUDA and not _SUBPROCESS:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    from logitless.ops.triton import head, kernels  # noqa: E402
+
+    if not _CUDA and not _SUBPROCESS and type(kernels.row_stats_kernel).__name__ != "InterpretedFunction":
+        kernels = importlib.reload(kernels)
+        head = importlib.reload(head)
+    import logitless.ops  # noqa: E402
+    from logitless.ops import reference  # noqa: E402
+    from logitless.ops import triton as T  # noqa: E402
+finally:
+    if _prev is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _prev
+
+
+@pytest.mark.skipif(not _SUBPROCESS, reason="the kernels run in this process")
+def test_kernels_in_an_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout
+
+
+DEV = "cuda" if _CUDA else "cpu"
+IGN = -100
+TOL = 1e-4  # fp32 inputs against float64
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch, request):
+    if _SUBPROCESS and request.node.name != "test_kernels_in_an_interpreter_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1: run in the subprocess test")
+    if _SUBPROCESS:
+        return
+    if not _CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(head, "BLOCK_V", 64)
+    # Small buffers so that every call crosses several row chunks and column splits.
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", 24 * 64 * 4)
+    monkeypatch.setattr(head, "FORWARD_WORKSPACE_BYTES", 16 * 64 * 4)
+    monkeypatch.setattr(head, "MAX_BLOCK_ROWS", 8)
+    monkeypatch.setattr(head, "MIN_SLAB", 32)
+
+
+@pytest.fixture(params=[1000, 0], ids=["onepass", "twopass"])
+def path(monkeypatch, request):
+    # 1000: one pass per row chunk (3 GEMMs); 0: the slab forward + slab backward fallback.
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", request.param)
+    return request.param
+
+
+def _inputs(n, h, v, seed, ignore_frac=0.3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (2.0 / h**0.5)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_frac] = IGN
+    consts = {
+        "old": torch.randn(n, generator=g, dtype=torch.float64) * 0.3 - 4.0,
+        "ref": torch.randn(n, generator=g, dtype=torch.float64) * 0.3 - 4.0,
+        "adv": torch.randn(n, generator=g, dtype=torch.float64),
+        "w": torch.rand(n, generator=g, dtype=torch.float64) / n,
+    }
+    return hidden, weight, labels, consts
+
+
+def _policy_terms(lp, ent, c, ent_coef):
+    # A clipped-ratio objective with k3 KL and an entropy bonus: non-linear in logp and ent.
+    ratio = torch.exp(lp - c["old"])
+    terms = -torch.minimum(ratio * c["adv"], ratio.clamp(0.8, 1.28) * c["adv"])
+    d = c["ref"] - lp
+    terms = terms + 0.1 * (torch.exp(d) - d - 1)
+    if ent is not None:
+        terms = terms - ent_coef * ent
+    return (terms * c["w"]).sum()
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("need_entropy", [True, False])
+@pytest.mark.parametrize("v,temperature", [(151, 0.7), (37, 1.3)])
+def test_matches_float64_autograd(need_entropy, v, temperature, path):
+    n, hd = 29, 24
+    hidden, weight, labels, consts = _inputs(n, hd, v, seed=v)
+    valid = labels != IGN
+    # reference: float64 log-probs through plain autograd, the same objective on valid rows
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
+    want = _policy_terms(lp[valid], ent[valid] if need_entropy else None,
+                         {k: c[valid] for k, c in consts.items()}, 0.05)
+    want.backward()
+
+    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
+    seen = []
+
+    def objective(lp, ent, rows):
+        seen.append(rows.cpu())
+        assert lp.dtype == torch.float32 and lp.shape == rows.shape
+        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+
+    h = hidden.float().to(DEV).requires_grad_()
+    w = weight.float().to(DEV).requires_grad_()
+    got, got_lp, got_ent = T.linear_token_objective(
+        h, w, labels.to(DEV), objective, ignore_index=IGN, temperature=temperature,
+        need_entropy=need_entropy,
+    )
+    (got * 1.7).backward()
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(float(got) - float(want)) <= TOL * max(abs(float(want)), 1e-3)
+    assert _rel(got_lp, lp) < TOL
+    assert (got_ent is not None) == need_entropy
+    if need_entropy:
+        assert _rel(got_ent, ent) < TOL
+        assert bool((got_ent.cpu()[~valid] == 0).all())
+    assert bool((got_lp.cpu()[~valid] == 0).all())
+    assert _rel(h.grad / 1.7, h64.grad) < TOL and _rel(w.grad / 1.7, w64.grad) < TOL
+    assert bool((h.grad.cpu()[~valid] == 0).all())  # ignored rows: no gradient
+    # the objective saw every non-ignored row exactly once, never an ignored one
+    assert torch.equal(torch.cat(seen).sort().values, torch.nonzero(valid).squeeze(1))
+
+
+def test_public_dispatcher_shapes_and_no_grad():
+    hidden, weight, labels, consts = _inputs(2 * 9, 16, 53, seed=3)
+    c32 = {k: c.float().reshape(-1).to(DEV) for k, c in consts.items()}
+
+    def objective(lp, ent, rows):
+        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.02)
+
+    h3 = hidden.float().reshape(2, 9, 16).to(DEV)
+    w = weight.float().to(DEV)
+    y2 = labels.reshape(2, 9).to(DEV)
+
+    def objective64(lp, ent, rows):
+        return _policy_terms(lp, ent, {k: c.to(DEV)[rows] for k, c in consts.items()}, 0.02)
+
+    # impl="torch": the float64 reference log-probs and the objective through plain autograd
+    want, want_lp, want_ent = logitless.ops.linear_token_objective(
+        h3.double(), w.double(), y2, objective64, need_entropy=True, impl="torch", temperature=0.9,
+    )
+    assert want.dtype == torch.float64 and want_lp.shape == (2, 9)
+    with torch.no_grad():  # forward-only slab pass: value, logp, entropy
+        got, got_lp, got_ent = logitless.ops.linear_token_objective(
+            h3, w, y2, objective, need_entropy=True, impl="triton", temperature=0.9,
+        )
+    assert got_lp.shape == (2, 9) and got_ent.shape == (2, 9)
+    assert abs(float(got) - float(want)) <= TOL * abs(float(want))
+    assert _rel(got_lp, want_lp) < TOL and _rel(got_ent, want_ent) < TOL
+
+
+def test_all_ignored_gives_zero_and_zero_grads(path):
+    hidden, weight, labels, _ = _inputs(7, 8, 19, seed=1)
+    labels[:] = IGN
+    h = hidden.float().to(DEV).requires_grad_()
+    w = weight.float().to(DEV).requires_grad_()
+    calls = []
+
+    def objective(lp, ent, rows):
+        calls.append(rows.numel())
+        return lp.sum()
+
+    got, lp, _ = T.linear_token_objective(h, w, labels.to(DEV), objective, ignore_index=IGN,
+                                          temperature=1.0, need_entropy=False)
+    got.backward()
+    assert float(got) == 0.0 and sum(calls) == 0
+    assert bool((h.grad == 0).all()) and bool((w.grad == 0).all()) and bool((lp == 0).all())
+
+
+def test_second_backward_and_bad_objective_raise():
+    hidden, weight, labels, _ = _inputs(6, 8, 19, seed=2, ignore_frac=0.0)
+    h = hidden.float().to(DEV).requires_grad_()
+    w = weight.float().to(DEV)
+    loss, _, _ = T.linear_token_objective(h, w, labels.to(DEV), lambda lp, ent, rows: -lp.sum(),
+                                          ignore_index=IGN, temperature=1.0, need_entropy=False)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    with pytest.raises(ValueError, match="scalar"):
+        T.linear_token_objective(h, w, labels.to(DEV), lambda lp, ent, rows: -lp, ignore_index=IGN,
+                                 temperature=1.0, need_entropy=False)
+    with pytest.raises(ValueError, match="token_objective"):
+        logitless.ops.linear_token_objective(h, w, labels.to(DEV), "not callable", impl="triton")
+    with pytest.raises(ValueError, match="need_entropy"):
+        logitless.ops.linear_token_objective(h, w, labels.to(DEV), lambda *a: a[0].sum(), need_entropy=1)
