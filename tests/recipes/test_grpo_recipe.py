@@ -111,6 +111,31 @@ def test_config_errors(tmp_path, override, match):
         GRPORecipe(tiny_cfg(tmp_path, override))
 
 
+def test_prompt_sharing_matches_expanded_recipe_step(tmp_path):
+    """prompt_sharing on (one packed sequence per group) vs off: same sampling, same first update."""
+    shared = GRPORecipe(tiny_cfg(tmp_path / "on", "max_steps=2", "prompt_sharing=true", "loss.beta=0.05",
+                                 "num_iterations=2", "save_final_checkpoint=False"))
+    expanded = GRPORecipe(tiny_cfg(tmp_path / "off", "max_steps=1", "prompt_sharing=false", "loss.beta=0.05",
+                                   "num_iterations=2", "save_final_checkpoint=False"))
+    on, off = shared.run(), expanded.run()
+    assert shared.prompt_sharing and not expanded.prompt_sharing
+    assert [h["step"] for h in on] == [1, 2] and all(torch.isfinite(torch.tensor(h["loss"])) for h in on)
+    assert on[0]["reward/mean"] == off[0]["reward/mean"]
+    for key in ("loss", "grad_norm", "entropy", "kl", "clip_ratio/region"):
+        assert on[0][key] == pytest.approx(off[0][key], rel=1e-4, abs=1e-6), key
+    assert GRPORecipe(tiny_cfg(tmp_path, "micro_batch_size=2")).prompt_sharing is False  # auto: not whole groups
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["prompt_sharing=true", "micro_batch_size=2"],
+     "config key 'micro_batch_size': 2 must be a multiple of num_generations=4"),
+    (["prompt_sharing=sometimes"], "prompt_sharing"),
+])
+def test_prompt_sharing_config_errors(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPORecipe(tiny_cfg(tmp_path, *overrides))
+
+
 def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
     from logitless.rl.recipe import validate_grpo_config
 

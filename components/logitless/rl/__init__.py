@@ -12,10 +12,11 @@ from logitless.rl.rewards import (
     RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format,
 )
 from logitless.rl.sampling import sample_next
+from logitless.rl.shared_batch import SharedGroupBatch, shared_batch, training_batch
 from logitless.rl.update import grpo_update
 
 __all__ = [
-    "PolicyBatch", "ReferencePolicy", "RewardError", "RewardSpec", "Rollout", "build_reference",
+    "PolicyBatch", "ReferencePolicy", "RewardError", "RewardSpec", "Rollout", "SharedGroupBatch", "build_reference",
     "build_reward_specs", "compute_rewards", "generate", "group_advantages", "grpo_update", "gsm8k_correctness",
-    "gsm8k_format", "left_pad", "policy_batch", "policy_forward", "sample_next",
+    "gsm8k_format", "left_pad", "policy_batch", "policy_forward", "sample_next", "shared_batch", "training_batch",
 ]

@@ -4,6 +4,11 @@ Each row is ``[left-padded prompt | completion | right padding]``. The labels ar
 tokens shifted by one (``logitless.modules.shift_labels``) and ``ignore_index`` everywhere else, so
 a head loss computes log-probs exactly at the positions that predict completion tokens and nowhere
 else, without slicing any logits.
+
+Response-only head: :meth:`PolicyBatch.forward` keeps only the hidden rows ``P-1 .. P+T-2`` (those
+that predict the T completion tokens), aligned with :attr:`PolicyBatch.head_labels` ``(N, T)``, so
+the head never runs on prompt positions. :mod:`logitless.rl.shared_batch` gives the same layout
+with each prompt computed once per group.
 """
 
 from dataclasses import dataclass
@@ -12,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from logitless.modules.head import HeadInput
 from logitless.rl.generation import Rollout
 
 
@@ -28,6 +34,8 @@ class PolicyBatch:
         input_pos (Optional[torch.Tensor]): ``(N, S)`` position ids (0 at each first real token),
             or None with ``mask``.
         truncated (torch.Tensor): ``(N,)`` bool, completions that hit the length limit.
+        prompt_len (Optional[int]): P, the (padded) prompt width; completions fill ``tokens[:, P:]``.
+            None: the head runs on every position (labels of the whole sequence).
     """
 
     tokens: torch.Tensor
@@ -35,6 +43,38 @@ class PolicyBatch:
     mask: Optional[torch.Tensor]
     input_pos: Optional[torch.Tensor]
     truncated: torch.Tensor
+    prompt_len: Optional[int] = None
+
+    @property
+    def head_span(self) -> slice:
+        """Positions whose hidden state goes through the head: those predicting completion tokens."""
+        if self.prompt_len is None:
+            return slice(0, self.tokens.shape[1])
+        return slice(self.prompt_len - 1, self.tokens.shape[1] - 1)
+
+    @property
+    def head_labels(self) -> torch.Tensor:
+        """``(N, T)`` labels of the response-only head (``(N, S)`` when ``prompt_len`` is None)."""
+        return self.labels[:, self.head_span]
+
+    def forward(self, model: nn.Module) -> HeadInput:
+        """Response-only forward: the model's hidden states at :attr:`head_span` and its head weight.
+
+        Args:
+            model (nn.Module): the policy or reference, output mode ``hidden``.
+
+        Returns:
+            HeadInput: ``(N, T, H)`` hidden states aligned with :attr:`head_labels`.
+
+        Example:
+            >>> loss_fn.set_model_output(model)
+            >>> logp = loss_fn.log_probs(batch.forward(model), batch.head_labels)  # (N, T)
+        """
+        out = policy_forward(model, self)
+        if not isinstance(out, HeadInput):
+            raise TypeError(f"the response-only head needs the model in 'hidden' output mode (a HeadInput), "
+                            f"got {type(out).__name__}; call loss_fn.set_model_output(model) first")
+        return HeadInput(out.hidden[:, self.head_span], out.weight)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -43,7 +83,7 @@ class PolicyBatch:
         """Rows ``start:stop`` (a micro-batch)."""
         pick = lambda t: None if t is None else t[start:stop]  # noqa: E731
         return PolicyBatch(pick(self.tokens), pick(self.labels), pick(self.mask), pick(self.input_pos),
-                           pick(self.truncated))
+                           pick(self.truncated), self.prompt_len)
 
     def micro_batches(self, size: int) -> Iterator["PolicyBatch"]:
         """Consecutive micro-batches of ``size`` rows; ``len(self)`` must be divisible by ``size``."""
@@ -61,14 +101,17 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
         ignore_index (int): label of positions without a log-prob.
 
     Returns:
-        PolicyBatch: tokens, shifted labels, mask/positions, truncation flags.
+        PolicyBatch: tokens, shifted labels, mask/positions, truncation flags, prompt width.
 
     Example:
-        >>> from logitless.rl.generation import Rollout
+        >>> from logitless.modules.head import HeadInput
+from logitless.rl.generation import Rollout
         >>> r = Rollout(torch.tensor([[0, 5]]), torch.tensor([[False, True]]), torch.tensor([[7, 2]]),
         ...             torch.tensor([[True, True]]), torch.tensor([False]), torch.zeros(1, 2), 1)
         >>> policy_batch(r).labels.tolist()
         [[-100, 7, 2, -100]]
+        >>> policy_batch(r).head_labels.tolist()
+        [[7, 2]]
     """
     from logitless.modules import shift_labels
 
@@ -88,7 +131,7 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
         causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
         mask = causal[None] & valid[:, None, :]
         mask = mask | torch.eye(s, dtype=torch.bool, device=tokens.device)[None]
-    return PolicyBatch(tokens, labels, mask, input_pos, rollout.truncated.clone())
+    return PolicyBatch(tokens, labels, mask, input_pos, rollout.truncated.clone(), p)
 
 
 def policy_forward(model: nn.Module, batch: PolicyBatch):

@@ -23,10 +23,10 @@ from torchtune import config as tt_config
 from torchtune import training as tt_training
 
 from logitless.rl.advantages import group_advantages
-from logitless.rl.batch import policy_batch
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
 from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
+from logitless.rl.shared_batch import PROMPT_SHARING, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
@@ -57,6 +57,8 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "num_generations": Key(int, min=2, doc="completions per prompt (G); >= 2 to form a group"),
     "micro_batch_size": Key(int, min=1, doc="completions per forward/backward"),
     "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
+    "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
+                          doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G)"),
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
     "clip_grad_norm": Key((float, None), default=None),
@@ -93,6 +95,11 @@ def validate_grpo_config(cfg: DictConfig) -> DictConfig:
     if n % cfg.micro_batch_size:
         raise ConfigError(f"config key 'micro_batch_size': {cfg.micro_batch_size} does not divide the "
                           f"{n} completions per step (prompts_per_step x num_generations)")
+    try:
+        use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
+                           num_generations=cfg.num_generations)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     temp = float(gen.get("temperature", 1.0))
     loss_temp = float(cfg.loss.get("temperature", 1.0))
     if temp > 0 and not math.isclose(temp, loss_temp):
@@ -121,6 +128,8 @@ class GRPORecipe:
     def __init__(self, cfg: DictConfig):
         self.cfg = validate_grpo_config(cfg)
         self.is_lora = "lora_rank" in cfg.model
+        self.prompt_sharing = use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
+                                                 num_generations=cfg.num_generations)
         self.history: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------ set-up
@@ -236,7 +245,8 @@ class GRPORecipe:
         t_gen = time.perf_counter()
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
         advantages = group_advantages(rewards["total"], cfg.num_generations, scale=cfg.advantage_scale)
-        batch = policy_batch(rollout, ignore_index=self.loss_fn.ignore_index)
+        batch = training_batch(rollout, prompt_sharing=self.prompt_sharing, pad_id=self.pad_id,
+                               ignore_index=self.loss_fn.ignore_index)
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, advantages.to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,

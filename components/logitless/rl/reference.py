@@ -7,7 +7,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from logitless.rl.batch import PolicyBatch, policy_forward
 
 
 class ReferencePolicy:
@@ -42,12 +41,13 @@ class ReferencePolicy:
         return cls(policy, disable_adapters=True)
 
     @torch.no_grad()
-    def log_probs(self, loss_fn, batch: PolicyBatch) -> torch.Tensor:
-        """``(B, S)`` reference log-probs at the loss's temperature (0 off the completions).
+    def log_probs(self, loss_fn, batch) -> torch.Tensor:
+        """Reference log-probs at the loss's temperature, ``batch.head_labels``-shaped (0 at padding).
 
         Args:
             loss_fn: a :class:`logitless.losses.GRPOLoss` (gives temperature and head impl).
-            batch (PolicyBatch): the micro-batch.
+            batch: the micro-batch, a :class:`logitless.rl.batch.PolicyBatch` (response-only head,
+                ``(B, T)``) or a :class:`logitless.rl.shared_batch.SharedGroupBatch` (prompt once).
 
         Returns:
             torch.Tensor: fp32 log-probs.
@@ -57,8 +57,8 @@ class ReferencePolicy:
             from torchtune.modules.peft import disable_adapter
 
             with disable_adapter(self.model):
-                return loss_fn.log_probs(policy_forward(self.model, batch), batch.labels)
-        return loss_fn.log_probs(policy_forward(self.model, batch), batch.labels)
+                return loss_fn.log_probs(batch.forward(self.model), batch.head_labels)
+        return loss_fn.log_probs(batch.forward(self.model), batch.head_labels)
 
 
 def build_reference(policy: nn.Module, beta: float, is_lora: bool) -> Optional[ReferencePolicy]:

@@ -1,29 +1,38 @@
 """One GRPO policy update over a generation batch: old/reference log-probs, micro-batched
-backward with gradient accumulation, ``num_iterations`` optimizer steps."""
+backward with gradient accumulation, ``num_iterations`` optimizer steps.
 
-from typing import Dict, Optional
+The batch is a :class:`~logitless.rl.batch.PolicyBatch` (one row per completion) or a
+:class:`~logitless.rl.shared_batch.SharedGroupBatch` (prompt once per group); both give the policy,
+old and reference passes a response-only head through ``batch.forward(model)`` and
+``batch.head_labels``, so every per-token tensor has the ``(N, T)`` completion layout.
+"""
+
+from typing import Dict, Optional, Union
 
 import torch
 from torch import nn
 
-from logitless.rl.batch import PolicyBatch, policy_forward
+from logitless.rl.batch import PolicyBatch
 from logitless.rl.reference import ReferencePolicy
+from logitless.rl.shared_batch import SharedGroupBatch
+
+TrainBatch = Union[PolicyBatch, SharedGroupBatch]
 
 
 @torch.no_grad()
-def batch_log_probs(model: nn.Module, loss_fn, batch: PolicyBatch, micro_batch_size: int) -> torch.Tensor:
+def batch_log_probs(model: nn.Module, loss_fn, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
     """Log-probs of the current policy on the training path (old log-probs), micro-batched.
 
     Args:
         model (nn.Module): the policy, output mode set by ``loss_fn.set_model_output``.
         loss_fn: a ``GRPOLoss``.
-        batch (PolicyBatch): the whole generation batch.
-        micro_batch_size (int): rows per forward.
+        batch (PolicyBatch | SharedGroupBatch): the whole generation batch.
+        micro_batch_size (int): completions per forward.
 
     Returns:
-        torch.Tensor: ``(N, S)`` fp32.
+        torch.Tensor: ``batch.head_labels``-shaped fp32 (``(N, T)`` with a response-only head).
     """
-    return torch.cat([loss_fn.log_probs(policy_forward(model, mb), mb.labels)
+    return torch.cat([loss_fn.log_probs(mb.forward(model), mb.head_labels)
                       for mb in batch.micro_batches(micro_batch_size)])
 
 
@@ -31,7 +40,7 @@ def grpo_update(
     model: nn.Module,
     loss_fn,
     optimizer: torch.optim.Optimizer,
-    batch: PolicyBatch,
+    batch: TrainBatch,
     advantages: torch.Tensor,
     *,
     micro_batch_size: int,
@@ -51,9 +60,10 @@ def grpo_update(
         model (nn.Module): the policy (train mode).
         loss_fn: ``logitless.losses.GRPOLoss``.
         optimizer (torch.optim.Optimizer): over the trainable parameters.
-        batch (PolicyBatch): the generation batch (N rows).
+        batch (PolicyBatch | SharedGroupBatch): the generation batch (N completions).
         advantages (torch.Tensor): ``(N,)``.
-        micro_batch_size (int): rows per forward/backward; must divide N.
+        micro_batch_size (int): completions per forward/backward; must divide N (and be a multiple
+            of G for a ``SharedGroupBatch``).
         num_iterations (int): optimizer steps on this batch (>= 1).
         reference (Optional[ReferencePolicy]): the KL reference (needed when ``loss_fn.beta > 0``).
         clip_grad_norm (Optional[float]): max total gradient norm.
@@ -70,15 +80,15 @@ def grpo_update(
     n = len(batch)
     if micro_batch_size < 1 or n % micro_batch_size:
         raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch of {n} completions")
-    loss_fn.set_model_output(model)
     micro = list(batch.micro_batches(micro_batch_size))
+    loss_fn.set_model_output(model)
     starts = range(0, n, micro_batch_size)
     old = batch_log_probs(model, loss_fn, batch, micro_batch_size) if num_iterations > 1 else None
     ref = None
     if reference is not None:
         ref = torch.cat([reference.log_probs(loss_fn, mb) for mb in micro])
         loss_fn.set_model_output(model)
-    total_tokens = loss_fn.num_loss_tokens(batch.labels, batch.truncated)
+    total_tokens = loss_fn.num_loss_tokens(batch.head_labels, batch.truncated)
     params = [p for p in model.parameters() if p.requires_grad]
     for _ in range(num_iterations):
         sums: Dict[str, float] = {}
@@ -87,7 +97,7 @@ def grpo_update(
         for start, mb in zip(starts, micro):
             rows = slice(start, start + micro_batch_size)
             loss, metrics = loss_fn(
-                policy_forward(model, mb), mb.labels, advantages[rows],
+                mb.forward(model), mb.head_labels, advantages[rows],
                 old_log_probs=None if old is None else old[rows],
                 ref_log_probs=None if ref is None else ref[rows],
                 truncated=mb.truncated, total_sequences=n, total_tokens=total_tokens,

@@ -1,0 +1,249 @@
+"""Prompt once per group in the GRPO update: a batch of whole groups, each packed as
+``[prompt | completion 1 | ... | completion G]`` (:func:`logitless.modules.pack_groups`).
+
+The policy, old and reference passes all go through :meth:`SharedGroupBatch.forward`: one forward of
+the packed groups (the prompt's keys and values computed once, the G completions' gradients summed
+into them), then only the rows that predict completion tokens reach the head
+(:func:`logitless.modules.gather_predicting_rows`). Its output and :attr:`SharedGroupBatch.head_labels`
+have the ``(B*G, T)`` layout of :meth:`logitless.rl.batch.PolicyBatch.forward` (the response-only
+head of the expanded batch), so :func:`logitless.rl.update.grpo_update` and ``GRPOLoss`` take either.
+"""
+
+from dataclasses import dataclass
+from typing import Iterator, List
+
+import torch
+from torch import nn
+
+from logitless.modules.head import HeadInput
+from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups
+from logitless.rl.generation import Rollout
+
+ATTENTION = ("sdpa", "flex")
+
+
+@dataclass
+class SharedGroupBatch:
+    """Whole groups of one generation batch, their prompt stored once (unpadded).
+
+    Attributes:
+        prompts (List[torch.Tensor]): B 1-D prompts without their left padding.
+        completions (torch.Tensor): ``(B, G, T)`` completion tokens (``pad_id`` after the stop token).
+        completion_mask (torch.Tensor): ``(B, G, T)`` bool, True at real completion tokens.
+        truncated (torch.Tensor): ``(B*G,)`` bool, completions that hit the length limit.
+        pad_id (int): filler token of the packed sequences.
+        ignore_index (int): label of positions without a token.
+        attention (str): ``"sdpa"`` (dense boolean mask, every device) or ``"flex"`` (a FlexAttention
+            ``BlockMask`` that skips the masked blocks: each completion's attention to the other
+            completions; CUDA only, through torchtune's flex path).
+    """
+
+    prompts: List[torch.Tensor]
+    completions: torch.Tensor
+    completion_mask: torch.Tensor
+    truncated: torch.Tensor
+    pad_id: int = 0
+    ignore_index: int = -100
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+
+    @property
+    def num_generations(self) -> int:
+        """G, completions per group."""
+        return self.completions.shape[1]
+
+    def __len__(self) -> int:
+        """Number of completions (B*G), as ``len(PolicyBatch)``."""
+        return self.completions.shape[0] * self.completions.shape[1]
+
+    @property
+    def head_labels(self) -> torch.Tensor:
+        """``(B*G, T)`` completion tokens, ``ignore_index`` at padding (row ``b*G + j``: group b, sample j)."""
+        labels = torch.where(self.completion_mask, self.completions,
+                             torch.full_like(self.completions, self.ignore_index))
+        return labels.reshape(len(self), -1)
+
+    def micro_batches(self, size: int) -> Iterator["SharedGroupBatch"]:
+        """Consecutive micro-batches of ``size`` completions (``size // G`` whole groups).
+
+        Args:
+            size (int): completions per micro-batch: a multiple of G that divides ``len(self)``.
+
+        Returns:
+            Iterator[SharedGroupBatch]: the micro-batches, in row order.
+        """
+        g = self.num_generations
+        if size < 1 or size % g or len(self) % size:
+            raise ValueError(f"micro_batch_size={size} must be a multiple of num_generations={g} (whole groups) "
+                             f"and divide the batch of {len(self)} completions when prompts are shared")
+        k = size // g
+        for start in range(0, len(self.prompts), k):
+            stop = start + k
+            yield SharedGroupBatch(self.prompts[start:stop], self.completions[start:stop],
+                                   self.completion_mask[start:stop], self.truncated[start * g:stop * g],
+                                   self.pad_id, self.ignore_index, self.attention)
+
+    def pack(self) -> SharedPromptBatch:
+        """The packed tokens, positions and mask of these groups (:func:`logitless.modules.pack_groups`)."""
+        return pack_groups(self.prompts, self.completions, self.completion_mask, pad_id=self.pad_id,
+                           ignore_index=self.ignore_index)
+
+    def forward(self, model: nn.Module) -> HeadInput:
+        """One forward of the packed groups; the hidden rows that predict each completion token.
+
+        Args:
+            model (nn.Module): the policy or reference, output mode ``hidden``, without KV caches.
+
+        Returns:
+            HeadInput: ``(B*G, T, H)`` hidden states aligned with :attr:`head_labels`.
+
+        Example:
+            >>> loss_fn.set_model_output(model)
+            >>> logp = loss_fn.log_probs(batch.forward(model), batch.head_labels)  # (B*G, T)
+        """
+        from logitless.rl.batch import policy_forward
+
+        packed = self.pack()
+        inner = getattr(model, "_orig_mod", model)
+        limit = getattr(inner, "max_seq_len", None)
+        if limit is not None and packed.tokens.shape[1] > limit:
+            raise ValueError(f"prompt_sharing: the packed groups are {packed.tokens.shape[1]} tokens long (longest "
+                             f"prompt + G x completion length), more than the model's max_seq_len={limit}; "
+                             f"set prompt_sharing: false")
+        if self.attention == "flex":
+            from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
+
+            if not _SUPPORTS_FLEX_ATTENTION or packed.tokens.device.type != "cuda":
+                raise ValueError("attention='flex' needs CUDA (torchtune uses FlexAttention on sm >= 7.5 GPUs "
+                                 "only); use attention='sdpa'")
+            out = policy_forward(model, packed._replace(mask=flex_block_mask(packed.mask)))
+        else:
+            out = policy_forward(model, packed)
+        if not isinstance(out, HeadInput):
+            raise TypeError(f"prompt sharing needs the model in 'hidden' output mode (a HeadInput), got "
+                            f"{type(out).__name__}; call loss_fn.set_model_output(model) first")
+        head = gather_predicting_rows(out, packed)
+        return HeadInput(head.hidden.reshape(len(self), self.completions.shape[2], -1), head.weight)
+
+
+def flex_block_mask(mask: torch.Tensor, block_size: int = 128):
+    """A FlexAttention ``BlockMask`` equal to a dense ``[B, S, S]`` boolean mask.
+
+    Blocks where the mask is all False (a completion's queries against another completion's keys)
+    are skipped by the kernel, so attention costs about ``P^2/2 + G (P T + T^2/2)`` scores per group
+    instead of the dense ``(P + G T)^2``.
+
+    Args:
+        mask (torch.Tensor): ``[B, S, S]`` bool, True where row i may attend to column j.
+        block_size (int): FlexAttention block size.
+
+    Returns:
+        torch.nn.attention.flex_attention.BlockMask: for ``flex_attention(q, k, v, block_mask=...)``.
+
+    Example:
+        >>> bm = flex_block_mask(pack_groups(prompts, completions, completion_mask).mask)
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s, _ = mask.shape
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        return mask[batch, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=s, KV_LEN=s, device=mask.device, BLOCK_SIZE=block_size)
+
+
+def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
+                 attention: str = "sdpa") -> SharedGroupBatch:
+    """Groups a rollout's rows (contiguous groups of G) and strips each prompt's left padding.
+
+    Args:
+        rollout (Rollout): from :func:`logitless.rl.generation.generate` (N = prompts x G rows).
+        pad_id (int): filler token of the packed sequences.
+        ignore_index (int): label of positions without a token.
+        attention (str): ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.
+
+    Returns:
+        SharedGroupBatch: ``N / G`` groups.
+
+    Raises:
+        ValueError: N is not a multiple of G, or the rows of a group do not share one prompt.
+
+    Example:
+        >>> batch = shared_batch(rollout)
+        >>> len(batch) == rollout.completion_tokens.shape[0]
+        True
+    """
+    g = rollout.num_generations
+    n, t = rollout.completion_tokens.shape
+    if g < 1 or n % g:
+        raise ValueError(f"the rollout's {n} rows are not whole groups of num_generations={g}")
+    b = n // g
+    tokens = rollout.prompt_tokens.reshape(b, g, -1)
+    masks = rollout.prompt_mask.reshape(b, g, -1)
+    if not (bool((tokens == tokens[:, :1]).all()) and bool((masks == masks[:, :1]).all())):
+        raise ValueError("prompt sharing needs contiguous groups: the G rows of each group must hold the same prompt")
+    prompts = [tokens[i, 0][masks[i, 0]] for i in range(b)]
+    return SharedGroupBatch(prompts, rollout.completion_tokens.reshape(b, g, t),
+                            rollout.completion_mask.reshape(b, g, t).to(torch.bool), rollout.truncated.clone(),
+                            pad_id, ignore_index, attention)
+
+
+PROMPT_SHARING = (True, False, "auto")
+
+
+def use_prompt_sharing(setting, *, micro_batch_size: int, num_generations: int) -> bool:
+    """Resolves the ``prompt_sharing`` setting of a GRPO config.
+
+    Args:
+        setting: True, False or ``"auto"`` (on when ``micro_batch_size`` is a multiple of G).
+        micro_batch_size (int): completions per forward/backward.
+        num_generations (int): G.
+
+    Returns:
+        bool: whether the update packs each group's prompt once.
+
+    Raises:
+        ValueError: an unknown setting, or ``True`` with a micro-batch that is not whole groups
+            (the message names the config keys).
+
+    Example:
+        >>> use_prompt_sharing("auto", micro_batch_size=8, num_generations=4)
+        True
+    """
+    if setting not in PROMPT_SHARING or not isinstance(setting, (bool, str)):
+        raise ValueError(f"config key 'prompt_sharing': expected one of {list(PROMPT_SHARING)}, got {setting!r}")
+    whole_groups = micro_batch_size % num_generations == 0
+    if setting is True and not whole_groups:
+        raise ValueError(f"config key 'micro_batch_size': {micro_batch_size} must be a multiple of num_generations="
+                         f"{num_generations} with prompt_sharing: true (a micro-batch holds whole groups); "
+                         f"change it or set prompt_sharing: auto / false")
+    return whole_groups if setting == "auto" else bool(setting)
+
+
+def training_batch(rollout: Rollout, *, prompt_sharing: bool, pad_id: int = 0, ignore_index: int = -100,
+                   attention: str = "sdpa"):
+    """The update's batch of a rollout: shared prompts, or one row per completion.
+
+    Args:
+        rollout (Rollout): the sampled groups.
+        prompt_sharing (bool): pack each group's prompt once (:func:`shared_batch`) or not
+            (:func:`logitless.rl.batch.policy_batch`; its head is response-only too).
+        pad_id (int): filler token of packed sequences.
+        ignore_index (int): label of positions without a token.
+        attention (str): attention of the shared path, ``"sdpa"`` or ``"flex"`` (CUDA).
+
+    Returns:
+        SharedGroupBatch | PolicyBatch: what :func:`logitless.rl.update.grpo_update` takes.
+
+    Example:
+        >>> batch = training_batch(rollout, prompt_sharing=True)
+    """
+    if prompt_sharing:
+        return shared_batch(rollout, pad_id=pad_id, ignore_index=ignore_index, attention=attention)
+    from logitless.rl.batch import policy_batch
+
+    return policy_batch(rollout, ignore_index=ignore_index)
