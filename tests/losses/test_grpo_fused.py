@@ -1,53 +1,21 @@
 """GRPOLoss(fused=True) against fused=False and a dense float64 reference: every loss_type with
 clipping, epsilon_high, k3 KL, entropy bonus, truncation masking and micro-batch normalisation;
 loss values, gradients and metrics; impls torch, chunked and triton (CPU interpreter).
-
-The Triton kernels need ``TRITON_INTERPRET=1`` before triton is first imported: as in
-``tests/ops/test_triton_head.py``, the module reruns itself in a subprocess when another test
-module imported triton first.
+Without CUDA the Triton kernels run in Triton's CPU interpreter (set up by ``tests/conftest.py``).
 """
 
-import importlib
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 _CUDA = torch.cuda.is_available()
-_prev = os.environ.get("TRITON_INTERPRET")
-_SUBPROCESS = not _CUDA and "triton" in sys.modules and _prev != "1"
-if not _CUDA and not _SUBPROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
 try:
-    try:
-        from logitless.ops.triton import head, kernels
-
-        if not _CUDA and not _SUBPROCESS and type(kernels.row_stats_kernel).__name__ != "InterpretedFunction":
-            kernels = importlib.reload(kernels)
-            head = importlib.reload(head)
-    except ImportError:  # no triton: the triton cases are skipped
-        head = None
-    from logitless.losses.grpo import GRPOLoss
-    from logitless.modules import HeadInput
-finally:
-    if _prev is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-
-
-@pytest.mark.skipif(not _SUBPROCESS, reason="the kernels run in this process")
-def test_in_an_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", __file__],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout
+    from logitless.ops.triton import head
+except ImportError:  # no triton: the triton cases are skipped
+    head = None
+from logitless.losses.grpo import GRPOLoss
+from logitless.modules import HeadInput
 
 
 IGN = -100
@@ -56,14 +24,9 @@ DEV = "cuda" if _CUDA else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch, request):
-    if _SUBPROCESS and request.node.name != "test_in_an_interpreter_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: run in the subprocess test")
-    if _SUBPROCESS or head is None:
+def _small_tiles(monkeypatch):
+    if head is None:
         return
-    if not _CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(head, "BLOCK_V", 64)
     # 5 rows per chunk: several row chunks and column splits in every call.
     monkeypatch.setattr(head, "WORKSPACE_BYTES", 5 * 37 * 4)
     monkeypatch.setattr(head, "FORWARD_WORKSPACE_BYTES", 8 * 32 * 4)

@@ -1,53 +1,20 @@
 """The fused Triton head against the float64 reference, on small odd shapes.
 
-On a machine without CUDA the kernels run in Triton's CPU interpreter. Triton picks interpreted
-or compiled kernels when it is first imported, so ``TRITON_INTERPRET=1`` must be set before
-anything imports it: this module sets it (and restores it) around its own imports. When another
-test module imported triton first (torchtune/torchao do), the whole module reruns itself in a
-subprocess with the variable set (``test_kernels_in_an_interpreter_subprocess``) and the in-process
-copies of the tests are skipped.
+On a machine without CUDA the kernels run in Triton's CPU interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` before anything imports triton).
 """
 
-import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 _CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-_prev = os.environ.get("TRITON_INTERPRET")
-_SUBPROCESS = not _CUDA and "triton" in sys.modules and _prev != "1"
-if not _CUDA and not _SUBPROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton")
-    from logitless.ops.triton import head, kernels  # noqa: E402
-
-    if not _CUDA and not _SUBPROCESS and type(kernels.row_stats_kernel).__name__ != "InterpretedFunction":
-        kernels = importlib.reload(kernels)
-        head = importlib.reload(head)
-    import logitless  # noqa: E402
-    from logitless.ops import reference  # noqa: E402
-    from logitless.ops import triton as T  # noqa: E402
-finally:
-    if _prev is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-
-
-@pytest.mark.skipif(not _SUBPROCESS, reason="the kernels run in this process")
-def test_kernels_in_an_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout
+pytest.importorskip("triton")
+from logitless.ops.triton import head  # noqa: E402
+import logitless  # noqa: E402
+from logitless.ops import reference  # noqa: E402
+from logitless.ops import triton as T  # noqa: E402
 
 
 DEV = "cuda" if _CUDA else "cpu"
@@ -56,14 +23,7 @@ TOL = 1e-4  # fp32 inputs: logits of |z| ~ 80 carry ~1e-5 relative rounding
 
 
 @pytest.fixture(autouse=True)
-def _interpret(monkeypatch, request):
-    if _SUBPROCESS and request.node.name != "test_kernels_in_an_interpreter_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1: run in the subprocess test")
-    if _SUBPROCESS:
-        return
-    if not _CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(head, "BLOCK_V", 64)
+def _small_tiles(monkeypatch):
     # Small buffers so that every test crosses several row chunks and column splits.
     monkeypatch.setattr(head, "WORKSPACE_BYTES", 24 * 64 * 4)
     monkeypatch.setattr(head, "FORWARD_WORKSPACE_BYTES", 16 * 64 * 4)
