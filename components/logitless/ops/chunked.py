@@ -119,7 +119,7 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
                 _addmm_acc_(dw, grad.T, h)
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
-        return (total * scale).float() if acc == torch.float32 else total * scale
+        return total * scale
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -154,9 +154,7 @@ class _LinearLogProbs(torch.autograd.Function):
                 ent[start:stop] = torch.where(v, lse - (p * z).sum(-1), 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse_all, ent)
         ctx.ignore_index, ctx.temperature, ctx.chunk_size = ignore_index, temperature, chunk_size
-        out_dtype = torch.float32 if acc == torch.float32 else acc
-        ctx.mark_non_differentiable(labels)
-        return logp.to(out_dtype), (ent.to(out_dtype) if ent is not None else None)
+        return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):

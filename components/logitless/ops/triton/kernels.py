@@ -39,6 +39,18 @@ def _merge(m_a, s_a, t_a, m_b, s_b, t_b):
 
 
 @triton.jit
+def _merge_splits(part, NUM_SPLITS: tl.constexpr):
+    """Merges one row's ``NUM_SPLITS`` partial (max, sum, weighted sum) triples stored at ``part``."""
+    m = tl.load(part)
+    s = tl.load(part + 1)
+    t = tl.load(part + 2)
+    for j in tl.static_range(1, NUM_SPLITS):
+        m, s, t = _merge(m, s, t, tl.load(part + 3 * j), tl.load(part + 3 * j + 1),
+                         tl.load(part + 3 * j + 2))
+    return m, s, t
+
+
+@triton.jit
 def row_stats_kernel(
     logits_ptr, stride_row, part_ptr, V, span, inv_t,
     NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
@@ -97,13 +109,7 @@ def merge_slab_kernel(
         orow = tl.load(idx_ptr + srow).to(tl.int64)
     else:
         orow = srow
-    part = part_ptr + row.to(tl.int64) * NUM_SPLITS * 3
-    m = tl.load(part)
-    s = tl.load(part + 1)
-    t = tl.load(part + 2)
-    for j in tl.static_range(1, NUM_SPLITS):
-        m, s, t = _merge(m, s, t, tl.load(part + 3 * j), tl.load(part + 3 * j + 1),
-                         tl.load(part + 3 * j + 2))
+    m, s, t = _merge_splits(part_ptr + row.to(tl.int64) * NUM_SPLITS * 3, NUM_SPLITS)
     st = state_ptr + srow * 3
     if not FIRST:
         m, s, t = _merge(tl.load(st), tl.load(st + 1), tl.load(st + 2), m, s, t)
@@ -155,13 +161,7 @@ def finalize_kernel(
         orow = tl.load(idx_ptr + row).to(tl.int64)
     else:
         orow = row.to(tl.int64) + row_offset
-    part = part_ptr + row.to(tl.int64) * NUM_SPLITS * 3
-    m = tl.load(part)
-    s = tl.load(part + 1)
-    t = tl.load(part + 2)
-    for j in tl.static_range(1, NUM_SPLITS):
-        m, s, t = _merge(m, s, t, tl.load(part + 3 * j), tl.load(part + 3 * j + 1),
-                         tl.load(part + 3 * j + 2))
+    m, s, t = _merge_splits(part_ptr + row.to(tl.int64) * NUM_SPLITS * 3, NUM_SPLITS)
     log_s = tl.log(s)
     lse = m + log_s
     ent = log_s - t / s
