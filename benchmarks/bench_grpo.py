@@ -17,7 +17,16 @@ step, and the peak CUDA memory of the step (weights and optimizer state included
   ``prompt_sharing: true``): the prompt is run once per group; one micro-batch of the whole group
   (G completions, one packed sequence of prompt + G x completion tokens)
 
-Every path runs the head on completion positions only (response-only head).
+- ``no_head``: the loss is a trivial function of the final hidden states and the head weight (mean
+  of squares: both get gradients, no logits exist); the other rows' ``head_update_s`` /
+  ``head_update_gib`` are their difference to it (the head's overhead)
+
+Every path runs the head on completion positions only (response-only head). ``--G``,
+``--prompt-len`` and ``--completion-len`` take comma lists: every combination is measured.
+``--update-only`` skips the sampler (the update's cost does not depend on the sampled token ids:
+random completions of exactly ``--completion-len`` tokens stand in for them), which makes the grid
+of issue 6 affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
+``update_peak_gib`` (peak of the update alone) and ``peak_gib`` (peak of the whole step).
 
 TRL is measured in the same run only when it is importable (``trl``); otherwise the CSV says so.
 
@@ -25,6 +34,8 @@ TRL is measured in the same run only when it is importable (``trl``); otherwise 
     python benchmarks/bench_grpo.py --search-limits          # + largest G / completion length that fit
     python benchmarks/bench_grpo.py --models tiny --device cpu --G 4 --prompt-len 16 --completion-len 8
     python benchmarks/bench_grpo.py --impls chunked,triton,triton+prompt_once,triton+prompt_once_flex
+    python benchmarks/bench_grpo.py --update-only --models 0.5b,1.5b,7b --G 8,16 --prompt-len 256,1024 \
+        --completion-len 512,2048 --micro-batch-size G --impls no_head,full_logits,chunked,triton,triton+prompt_once
 """
 
 import argparse
@@ -44,12 +55,13 @@ sys.path[:0] = [str(ROOT / "components")]
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
 from logitless.rl import fast_generation  # noqa: E402
-from logitless.rl.generation import generate  # noqa: E402
+from logitless.losses._base import as_head_input  # noqa: E402
+from logitless.rl.generation import Rollout, generate  # noqa: E402
 from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
 
-IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "torch"}
+IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "torch", "no_head": "no_head"}
 SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex")}
 
 
@@ -62,6 +74,39 @@ def parse_impl(name: str):
     return (IMPLS[base], *SHARING[plus + suffix])
 
 
+class NoHeadLoss(GRPOLoss):
+    """The update without an LM head: mean of squares of the final hidden states and of the head
+    weight, so both still get gradients but no logits exist (the baseline of the head overhead)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(impl="chunked", **kwargs)
+
+    def forward(self, outputs, labels, advantages, *, truncated=None, **_):
+        head = as_head_input(outputs, type(self).__name__)
+        loss = head.hidden.float().pow(2).mean() + head.weight.float().pow(2).mean()
+        return loss, {"num_tokens": self.loss_mask(labels, truncated).sum()}
+
+    def log_probs(self, outputs, labels):
+        head = as_head_input(outputs, type(self).__name__)
+        return head.hidden.float().pow(2).mean(-1).detach()
+
+
+def make_loss(impl: str, beta: float) -> GRPOLoss:
+    if impl == "no_head":
+        return NoHeadLoss(temperature=1.0, loss_type="dapo", beta=beta)
+    return GRPOLoss(temperature=1.0, impl=impl, loss_type="dapo", beta=beta)
+
+
+def synthetic_rollout(prompt, G: int, completion_len: int, vocab: int, device, generator) -> Rollout:
+    """G random completions of exactly ``completion_len`` tokens for one prompt (no sampler)."""
+    prompt_tokens = torch.tensor([prompt] * G, device=device)
+    completions = torch.randint(0, vocab - 1, (G, completion_len), generator=generator).to(device)
+    return Rollout(prompt_tokens=prompt_tokens, prompt_mask=torch.ones_like(prompt_tokens, dtype=torch.bool),
+                   completion_tokens=completions, completion_mask=torch.ones_like(completions, dtype=torch.bool),
+                   truncated=torch.ones(G, dtype=torch.bool, device=device),
+                   sampler_log_probs=torch.zeros(G, completion_len, device=device), num_generations=G)
+
+
 def build_model(name: str, device: torch.device, dtype: torch.dtype):
     from torchtune import training
 
@@ -71,8 +116,10 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype):
         from torchtune.models.qwen2_5 import qwen2_5_0_5b as builder
     elif name == "1.5b":
         from torchtune.models.qwen2_5 import qwen2_5_1_5b_instruct as builder
+    elif name == "7b":
+        from torchtune.models.qwen2_5 import qwen2_5_7b_instruct as builder
     else:
-        raise ValueError(f"--models: unknown model {name!r} (tiny, 0.5b, 1.5b)")
+        raise ValueError(f"--models: unknown model {name!r} (tiny, 0.5b, 1.5b, 7b)")
     with training.set_default_dtype(dtype), device:
         model = builder()
     with torch.no_grad():  # HF-style init scale: a spread-out sampling distribution
@@ -85,32 +132,111 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def one_step(model, loss_fn, optimizer, args, device, seed, prompt_sharing=False, attention="sdpa", reference=None):
+def gib(nbytes: int) -> float:
+    return round(nbytes / 2**30, 3)
+
+
+def micro_batch_size(setting: str, G: int, shared: bool) -> int:
+    """Completions per micro-batch: a whole group for prompt sharing, else ``--micro-batch-size``."""
+    return G if shared or setting == "G" else int(setting)
+
+
+def one_step(model, loss_fn, optimizer, cfg, device, seed, prompt_sharing=False, attention="sdpa", reference=None):
+    """One GRPO step at ``cfg`` (G, prompt_len, completion_len, ...); returns times and peaks."""
     vocab = model.tok_embeddings.num_embeddings
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab - 1, (args.prompt_len,), generator=g).tolist()
-    gen = torch.Generator(device=device).manual_seed(seed)
+    prompt = torch.randint(0, vocab - 1, (cfg.prompt_len,), generator=g).tolist()
+    cuda = device.type == "cuda"
     sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    # a stop token outside the vocabulary: every completion has exactly completion_len tokens
-    sampler = fast_generation.generate if args.generator == "fast" else generate
-    rollout = sampler(model, [prompt], max_new_tokens=args.completion_len, stop_tokens=[vocab], pad_id=0,
-                      num_generations=args.G, temperature=1.0, generator=gen)
+    if cfg.update_only:
+        rollout = synthetic_rollout(prompt, cfg.G, cfg.completion_len, vocab, device, g)
+    else:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        # a stop token outside the vocabulary: every completion has exactly completion_len tokens
+        sampler = fast_generation.generate if cfg.generator == "fast" else generate
+        rollout = sampler(model, [prompt], max_new_tokens=cfg.completion_len, stop_tokens=[vocab], pad_id=0,
+                          num_generations=cfg.G, temperature=1.0, generator=gen)
     sync(device)
     t1 = time.perf_counter()
-    rewards = torch.rand(args.G, generator=g)
-    adv = group_advantages(rewards, args.G).to(device)
+    gen_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rewards = torch.rand(cfg.G, generator=g)
+    adv = group_advantages(rewards, cfg.G).to(device)
     batch = training_batch(rollout, prompt_sharing=prompt_sharing, pad_id=0, attention=attention)
-    mbs = args.G if prompt_sharing else args.micro_batch_size
-    metrics = grpo_update(model, loss_fn, optimizer, batch, adv, micro_batch_size=mbs, clip_grad_norm=1.0,
-                          num_iterations=args.num_iterations, reference=reference)
+    metrics = grpo_update(model, loss_fn, optimizer, batch, adv,
+                          micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, prompt_sharing),
+                          clip_grad_norm=1.0, num_iterations=cfg.num_iterations, reference=reference)
     sync(device)
     t2 = time.perf_counter()
-    assert rollout.completion_tokens.shape[1] == args.completion_len
-    return t1 - t0, t2 - t1, metrics
+    update_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    assert rollout.completion_tokens.shape[1] == cfg.completion_len
+    return dict(generation_s=t1 - t0, update_s=t2 - t1, gen_peak=gen_peak, update_peak=update_peak,
+                metrics=metrics)
 
 
-def run_model(name, args, device, dtype, writer):
+def shapes(args):
+    """Every (G, prompt_len, completion_len) of the grid, as a config namespace each."""
+    for G in args.G:
+        for prompt_len in args.prompt_len:
+            for completion_len in args.completion_len:
+                yield argparse.Namespace(**{**vars(args), "G": G, "prompt_len": prompt_len,
+                                            "completion_len": completion_len})
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(model, optimizer, reference, impl_name, cfg, device):
+    """One row: warm-up step, then ``cfg.steps`` measured steps (minimum time, maximum peak)."""
+    impl, shared, attention = parse_impl(impl_name)
+    row = dict(model=cfg.model, impl=impl_name, generator="none" if cfg.update_only else cfg.generator,
+               G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
+               micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared),
+               prompt_sharing=shared, beta=cfg.beta, num_iterations=cfg.num_iterations,
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+               torch=torch.__version__)
+    try:
+        loss_fn = make_loss(impl, cfg.beta)
+        loss_fn.set_model_output(model)
+        kw = dict(prompt_sharing=shared, attention=attention, reference=reference)
+        one_step(model, loss_fn, optimizer, cfg, device, seed=0, **kw)  # warm-up (optimizer state, kernels)
+        free(device)
+        static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        runs = [one_step(model, loss_fn, optimizer, cfg, device, seed=1 + i, **kw) for i in range(cfg.steps)]
+        gen_s, upd_s = min(r["generation_s"] for r in runs), min(r["update_s"] for r in runs)
+        row.update(status="ok", generation_s=round(gen_s, 4), update_s=round(upd_s, 4),
+                   step_s=round(gen_s + upd_s, 4), static_gib=gib(static),
+                   update_peak_gib=gib(max(r["update_peak"] for r in runs)),
+                   peak_gib=gib(max(max(r["update_peak"], r["gen_peak"]) for r in runs)))
+    except torch.OutOfMemoryError:
+        row.update(status="OOM")
+    except Exception as e:  # e.g. triton unavailable on CPU, flex without CUDA
+        row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
+    optimizer.zero_grad(set_to_none=True)
+    free(device)
+    return row
+
+
+def add_head_overhead(rows):
+    """``head_update_s`` / ``head_update_gib``: each row minus the ``no_head`` row of its shape."""
+    base = {(r["G"], r["prompt_len"], r["completion_len"], r["prompt_sharing"]): r
+            for r in rows if r["impl"] == "no_head" and r["status"] == "ok"}
+    for r in rows:
+        b = base.get((r["G"], r["prompt_len"], r["completion_len"], False))
+        if b is not None and r["status"] == "ok":
+            r["head_update_s"] = round(r["update_s"] - b["update_s"], 4)
+            r["head_update_gib"] = round(r["update_peak_gib"] - b["update_peak_gib"], 3)
+    return rows
+
+
+def build_policy(name, args, device, dtype):
     from torchtune import training
     from torchtune.modules import TransformerSelfAttentionLayer
 
@@ -118,105 +244,103 @@ def run_model(name, args, device, dtype, writer):
     training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     reference = ReferencePolicy.frozen_copy(model) if args.beta > 0 else None
-    for impl_name in args.impls:
-        impl, shared, attention = parse_impl(impl_name)
-        row = dict(model=name, impl=impl_name, generator=args.generator, G=args.G, prompt_len=args.prompt_len,
-                   completion_len=args.completion_len,
-                   micro_batch_size=args.G if shared else args.micro_batch_size,
-                   prompt_sharing=shared, beta=args.beta, num_iterations=args.num_iterations,
-                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                   torch=torch.__version__)
-        try:
-            loss_fn = GRPOLoss(temperature=1.0, impl=impl, loss_type="dapo", beta=args.beta)
-            loss_fn.set_model_output(model)
-            kw = dict(prompt_sharing=shared, attention=attention, reference=reference)
-            one_step(model, loss_fn, optimizer, args, device, seed=0, **kw)  # warm-up (optimizer state, kernels)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            times = [one_step(model, loss_fn, optimizer, args, device, seed=1 + i, **kw) for i in range(args.steps)]
-            gen_s = min(t[0] for t in times)
-            upd_s = min(t[1] for t in times)
-            row.update(status="ok", generation_s=round(gen_s, 4), update_s=round(upd_s, 4),
-                       step_s=round(gen_s + upd_s, 4),
-                       peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
-                       if device.type == "cuda" else "")
-        except Exception as e:  # e.g. OOM of the full-logits path, triton unavailable on CPU
-            row.update(status=f"error: {type(e).__name__}: {str(e)[:200]}")
-            optimizer.zero_grad(set_to_none=True)
-        print(row, flush=True)
-        writer.writerow(row)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    return model, optimizer, reference
+
+
+def run_model(name, args, device, dtype, writer):
+    model, optimizer, reference = build_policy(name, args, device, dtype)
+    for cfg in shapes(argparse.Namespace(**{**vars(args), "model": name})):
+        rows = [measure(model, optimizer, reference, impl_name, cfg, device) for impl_name in args.impls]
+        for row in add_head_overhead(rows):
+            print({k: v for k, v in row.items() if k not in ("device", "torch")}, flush=True)
+            writer.writerow(row)
     del model, optimizer, reference
+    free(device)
 
 
-def fits(model, loss_fn, optimizer, args, device, G, completion_len) -> bool:
+def fits(model, loss_fn, optimizer, args, device, shared, attention, G, completion_len) -> bool:
     """Whether one GRPO step at ``G`` completions of ``completion_len`` tokens runs without OOM."""
     trial = argparse.Namespace(**{**vars(args), "G": G, "completion_len": completion_len})
     try:
-        one_step(model, loss_fn, optimizer, trial, device, seed=7)
+        one_step(model, loss_fn, optimizer, trial, device, seed=7, prompt_sharing=shared, attention=attention)
         return True
     except torch.OutOfMemoryError:
-        optimizer.zero_grad(set_to_none=True)
+        return False
+    except ValueError as e:  # prompt sharing: the packed group is longer than the model's max_seq_len
+        if "max_seq_len" not in str(e):
+            raise
         return False
     finally:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        optimizer.zero_grad(set_to_none=True)
+        free(device)
+
+
+def largest(ok, start: int, cap: int):
+    """Largest value that ``ok`` accepts: doubling from ``start`` (up to ``cap``), then bisection."""
+    if not ok(start):
+        return None
+    lo, hi = start, start * 2
+    while hi <= cap and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        return lo
+    step = max(start // 8, 1)  # bisect to 1/8 of the start value: enough to compare two paths
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def search_limits(name, args, device, dtype, writer):
-    """Largest G (at --completion-len) and completion length (at --G) that fit, doubling until OOM."""
-    from torchtune import training
-    from torchtune.modules import TransformerSelfAttentionLayer
+    """Largest G (at the first --completion-len) and completion length (at the first --G) that fit.
 
-    model = build_model(name, device, dtype)
-    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    With prompt sharing a group is one packed sequence, so its limit is also the model's
+    ``max_seq_len`` (32768 for Qwen2.5): the search stops there.
+    """
+    model, optimizer, _ = build_policy(name, args, device, dtype)
+    cfg = argparse.Namespace(**{**vars(args), "G": args.G[0], "prompt_len": args.prompt_len[0],
+                                "completion_len": args.completion_len[0], "model": name})
     for impl_name in args.impls:
-        impl, shared, _ = parse_impl(impl_name)
-        if shared:
-            continue  # the limit search measures the expanded paths only
-        loss_fn = GRPOLoss(temperature=1.0, impl=impl, loss_type="dapo")
+        impl, shared, attention = parse_impl(impl_name)
+        if impl == "no_head":
+            continue
+        loss_fn = make_loss(impl, 0.0)
         loss_fn.set_model_output(model)
-        best_g, g = None, args.G
-        while g <= args.max_G and fits(model, loss_fn, optimizer, args, device, g, args.completion_len):
-            best_g, g = g, g * 2
-        best_l, length = None, args.completion_len
-        while length <= args.max_completion_len and fits(model, loss_fn, optimizer, args, device, args.G, length):
-            best_l, length = length, length * 2
-        row = dict(model=name, impl=impl_name, status=f"limits: max G={best_g} at completion_len={args.completion_len}"
-                   f"; max completion_len={best_l} at G={args.G} (doubling, capped at G<={args.max_G}, "
-                   f"len<={args.max_completion_len})", G=args.G, prompt_len=args.prompt_len,
-                   completion_len=args.completion_len, micro_batch_size=args.micro_batch_size)
-        print(row, flush=True)
+        g_step = cfg.G if shared else micro_batch_size(cfg.micro_batch_size, cfg.G, False)
+        # G must stay a multiple of the micro-batch: search in units of it
+        best_units = largest(lambda u: fits(model, loss_fn, optimizer, cfg, device, shared, attention,
+                                            u * g_step, cfg.completion_len), max(cfg.G // g_step, 1),
+                             args.max_G // g_step)
+        best_len = largest(lambda n: fits(model, loss_fn, optimizer, cfg, device, shared, attention, cfg.G, n),
+                           cfg.completion_len, args.max_completion_len)
+        row = dict(model=name, impl=impl_name, generator="none" if cfg.update_only else cfg.generator,
+                   status="limits", G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
+                   micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared), prompt_sharing=shared,
+                   max_G=None if best_units is None else best_units * g_step, max_completion_len=best_len,
+                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                   torch=torch.__version__)
+        print({k: v for k, v in row.items() if k not in ("device", "torch")}, flush=True)
         writer.writerow(row)
     del model, optimizer
+    free(device)
 
 
-def trl_row(args):
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return dict(model="all", impl="trl", status="missing: trl is not importable in this environment",
-                    G=args.G, prompt_len=args.prompt_len, completion_len=args.completion_len)
-    return dict(model="all", impl="trl", status=f"installed (trl {trl.__version__}) but not run by this script: "
-                f"use TRL's GRPOTrainer with the same settings", G=args.G)
+def int_list(text: str):
+    return [int(x) for x in str(text).split(",") if x]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="0.5b,1.5b")
     p.add_argument("--impls", default="chunked,triton,full_logits,triton+prompt_once")
-    p.add_argument("--G", type=int, default=16)
+    p.add_argument("--G", type=int_list, default=[16], help="completions per prompt (comma list)")
     p.add_argument("--generator", default="eager", choices=("eager", "fast"),
                    help="sampler: rl.generation (eager) or rl.fast_generation (static cache, compiled decode)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--completion-len", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--update-only", action="store_true", help="random completions instead of sampling")
+    p.add_argument("--prompt-len", type=int_list, default=[1024], help="comma list")
+    p.add_argument("--completion-len", type=int_list, default=[512], help="comma list")
+    p.add_argument("--micro-batch-size", default="4",
+                   help="completions per micro-batch of the expanded paths, or G (one group)")
     p.add_argument("--beta", type=float, default=0.0, help="KL weight: > 0 adds the reference forward")
     p.add_argument("--num-iterations", type=int, default=1, help="> 1 adds the old log-prob forward")
     p.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step (min is kept)")
@@ -224,7 +348,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/grpo_step.csv"))
     p.add_argument("--search-limits", action="store_true",
-                   help="also find the largest G and completion length that fit (doubling until OOM)")
+                   help="also find the largest G and completion length that fit (doubling, then bisection)")
     p.add_argument("--max-G", type=int, default=512)
     p.add_argument("--max-completion-len", type=int, default=16384)
     args = p.parse_args(argv)
@@ -234,26 +358,30 @@ def main(argv=None):
             parse_impl(i)
         except ValueError as e:
             p.error(str(e))
-    if args.G < 2 or args.G % args.micro_batch_size:
-        p.error(f"--G must be >= 2 and divisible by --micro-batch-size, got G={args.G}, "
-                f"micro_batch_size={args.micro_batch_size}")
+    if args.micro_batch_size != "G" and not args.micro_batch_size.isdigit():
+        p.error(f"--micro-batch-size must be a positive int or G, got {args.micro_batch_size!r}")
+    for G in args.G:
+        mbs = micro_batch_size(args.micro_batch_size, G, False)
+        if G < 2 or mbs < 1 or G % mbs:
+            p.error(f"--G must be >= 2 and divisible by --micro-batch-size, got G={G}, micro_batch_size={mbs}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fields = ["model", "impl", "generator", "status", "generation_s", "update_s", "step_s", "peak_gib", "G", "prompt_len",
-              "completion_len", "micro_batch_size", "prompt_sharing", "beta", "num_iterations", "device", "torch"]
+    fields = ["model", "impl", "generator", "status", "generation_s", "update_s", "step_s", "head_update_s",
+              "static_gib", "update_peak_gib", "peak_gib", "head_update_gib", "max_G", "max_completion_len",
+              "G", "prompt_len", "completion_len", "micro_batch_size", "prompt_sharing", "beta",
+              "num_iterations", "device", "torch"]
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
+        write_row = writer.writerow
+        writer.writerow = lambda row: (write_row(row), f.flush())  # rows survive a timeout
         for name in [m for m in args.models.split(",") if m]:
             run_model(name, args, device, dtype, writer)
             f.flush()
             if args.search_limits:
                 search_limits(name, args, device, dtype, writer)
                 f.flush()
-        row = trl_row(args)
-        print(row)
-        writer.writerow(row)
     print(f"wrote {args.out}")
 
 

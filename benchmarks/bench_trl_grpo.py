@@ -7,6 +7,7 @@ the bundled tiny BPE one (token ids only matter for shapes). Needs ``trl`` (carr
 
 Usage (GPU machine):
     python benchmarks/bench_trl_grpo.py --model 0.5b --steps 4 --out benchmarks/results/trl_grpo.csv
+    python benchmarks/bench_trl_grpo.py --model 0.5b --steps 1 --group 64     # limit probe: ok or OOM
 """
 
 import argparse
@@ -110,10 +111,14 @@ def main():
     a = p.parse_args()
     import trl
 
-    step_s, peak = run(a.model, a.steps, a.group, a.prompt_len, a.completion_len, a.liger)
+    try:
+        step_s, peak = run(a.model, a.steps, a.group, a.prompt_len, a.completion_len, a.liger)
+        status, step_s, peak = "ok", round(step_s, 3), round(peak, 2)
+    except torch.OutOfMemoryError:  # a limit probe: "does TRL fit this G / completion length?"
+        status, step_s, peak = "OOM", None, None
     row = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, trl=trl.__version__,
                model=a.model, group=a.group, prompt_len=a.prompt_len, completion_len=a.completion_len,
-               liger=a.liger, step_s=round(step_s, 3), peak_gib=round(peak, 2))
+               liger=a.liger, status=status, step_s=step_s, peak_gib=peak)
     print(row)
     if a.out:
         new = not os.path.exists(a.out)

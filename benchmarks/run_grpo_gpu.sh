@@ -1,26 +1,57 @@
 #!/usr/bin/env bash
-# The GRPO measurements of the closing notes, in one GPU session (H200):
-#   1. configs/qwen_grpo.yaml (Qwen2.5-1.5B-Instruct architecture, random weights, synthetic prompts)
-#      for two steps with each log-prob path: chunked, fused (triton), full logits (torch);
-#   2. benchmarks/bench_grpo.py: one GRPO step at G=16, 1024-token prompt, 512-token completions;
-#   3. benchmarks/bench_trl_grpo.py: TRL's GRPOTrainer at the same setting, when trl is importable.
-# Usage: bash benchmarks/run_grpo_gpu.sh OUT_DIR
+# The GRPO measurements of the closing notes, on one GPU (H200), in sections that fit one device call
+# each (every command under a timeout). PYTHONPATH must hold components/ and recipes/.
+#   config : configs/qwen_grpo.yaml (Qwen2.5-1.5B-Instruct architecture, random weights, synthetic
+#            prompts), two steps with each log-prob path: chunked, fused (triton), full logits (torch)
+#   step   : bench_grpo.py whole steps (fast sampler + update), G=16, 1024-token prompt, 512-token
+#            completions, every path incl. prompt once; then TRL's GRPOTrainer at the same setting
+#   grid   : bench_grpo.py --update-only over 0.5B/1.5B/7B x G {8,16} x prompt {256,1024} x
+#            completion {512,2048}, one group per micro-batch (issue 6's table)
+#   generation : bench_generation.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
+#   limits : largest G and completion length that fit, ours (update-only search) and TRL (probes)
+# Usage: bash benchmarks/run_grpo_gpu.sh OUT_DIR SECTION...
 set -uo pipefail
-out=${1:?usage: run_grpo_gpu.sh OUT_DIR}
+out=${1:?usage: run_grpo_gpu.sh OUT_DIR SECTION...}
+shift
 mkdir -p "$out"
-for impl in chunked triton torch; do
-    dir=/tmp/logitless_grpo_$impl
-    rm -rf "$dir"
-    timeout 170 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-        model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer \
-        dataset._component_=logitless.rl.data.synthetic_prompt_dataset eval_every_n_steps=null \
-        max_steps=2 save_every_n_steps=1000 output_dir="$dir" loss.impl=$impl > "$out/grpo_config_$impl.log" 2>&1
-    echo "config run impl=$impl rc=$?"
-    tail -n 3 "$out/grpo_config_$impl.log"
-    cat "$dir"/logs/*.txt > "$out/grpo_config_${impl}_metrics.txt" 2>/dev/null
-    grep -h -o "Step 2 |.*" "$out/grpo_config_${impl}_metrics.txt" | tr '|' '\n' | grep -E "step_time_s|peak|tokens_per_second|time/" | tr '\n' ' '
-    echo
+bench() { timeout "$1" python3 benchmarks/bench_grpo.py "${@:2}" 2>&1 | grep -v -i warn | tail -n 40; }
+trl() { timeout "$1" python3 benchmarks/bench_trl_grpo.py "${@:2}" --out "$out/trl_grpo.csv" 2>&1 | tail -n 1; }
+
+for section in "$@"; do
+case $section in
+config)
+    for impl in chunked triton torch; do
+        dir=/tmp/logitless_grpo_$impl
+        rm -rf "$dir"
+        timeout 170 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
+            model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer \
+            dataset._component_=logitless.rl.data.synthetic_prompt_dataset eval_every_n_steps=null \
+            max_steps=2 save_every_n_steps=1000 output_dir="$dir" loss.impl=$impl > "$out/grpo_config_$impl.log" 2>&1
+        echo "config run impl=$impl rc=$?"
+        cat "$dir"/logs/*.txt > "$out/grpo_config_${impl}_metrics.txt" 2>/dev/null
+        grep -h -o "Step 2 |.*" "$out/grpo_config_${impl}_metrics.txt" | tr '|' '\n' \
+            | grep -E "step_time_s|peak|tokens_per_second|time/" | tr '\n' ' '
+        echo
+    done ;;
+step)
+    bench 330 --models 0.5b,1.5b --generator fast --steps 2 \
+        --impls no_head,chunked,triton,full_logits,triton+prompt_once,triton+prompt_once_flex \
+        --out "$out/grpo_step.csv"
+    trl 120 --model 0.5b --steps 3
+    trl 150 --model 1.5b --steps 3 ;;
+grid)
+    bench 560 --update-only --models ${GRID_MODELS:-0.5b,1.5b,7b} --G 8,16 --prompt-len 256,1024 --completion-len 512,2048 \
+        --micro-batch-size G --steps 1 --impls no_head,full_logits,chunked,triton,triton+prompt_once \
+        --out "$out/grpo_update_grid_${GRID_MODELS:-all}.csv" ;;
+limits)
+    bench 200 --update-only --models 0.5b --G 16 --prompt-len 1024 --completion-len 512 \
+        --micro-batch-size G --steps 1 --impls chunked,triton,triton+prompt_once --search-limits \
+        --max-G 1024 --max-completion-len 32768 --out "$out/grpo_limits.csv"
+    trl 150 --model 0.5b --steps 1 --group 256
+    trl 190 --model 0.5b --steps 1 --completion-len 4096 ;;
+generation)
+    timeout 260 python3 benchmarks/bench_generation.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \
+        --new-tokens 512 --prompts 4 --groups 16 --out "$out/generation.csv" 2>&1 | tail -n 14 ;;
+*) echo "unknown section $section" ;;
+esac
 done
-timeout 200 python3 benchmarks/bench_grpo.py --models 0.5b,1.5b --generator fast --steps 1 \
-    --out "$out/grpo_step.csv" 2>&1 | grep -v Warning | tail -n 8
-timeout 150 python3 benchmarks/bench_trl_grpo.py --model 0.5b --steps 3 --out "$out/trl_grpo.csv" 2>&1 | tail -n 3

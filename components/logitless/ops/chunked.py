@@ -13,6 +13,7 @@ Saved for backward in either regime: ``hidden``, ``weight`` (which autograd hold
 ``O(N)`` floats, or the gradients themselves -- never ``O(N x V)``.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -73,6 +74,48 @@ def _gemm_operand(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return grad.to(dtype) if grad.is_cuda else grad
 
 
+def _gemm_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return dtype if grad.is_cuda else grad.dtype
+
+
+def _ce_epilogue_eager(z, safe, valid, coef, out_dtype):
+    """Summed CE of a chunk and ``dloss/dlogits = (softmax - onehot) * coef``, in place on ``z``."""
+    lse = torch.logsumexp(z, dim=-1)
+    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+    grad = z.sub_(lse.unsqueeze(1)).exp_()
+    grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=z.dtype))
+    grad.mul_((valid.to(z.dtype) * coef).unsqueeze(1))
+    return loss, grad.to(out_dtype)
+
+
+def _ce_epilogue_fusible(z, safe, valid, coef, out_dtype):
+    """The same without in-place ops or scatter, so that inductor fuses it into one reduction and one
+    pointwise kernel: the chunk's fp32 logits are read twice instead of ~8 eager passes."""
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    loss = torch.where(valid, lse.squeeze(1) - z.gather(1, safe).squeeze(1), 0.0).sum()
+    onehot = torch.arange(z.shape[1], device=z.device) == safe
+    grad = (torch.exp(z - lse) - onehot.to(z.dtype)) * (valid.to(z.dtype) * coef).unsqueeze(1)
+    return loss, grad.to(out_dtype)
+
+
+_COMPILED_CE_EPILOGUE = None
+
+
+def _ce_epilogue_for(hidden: torch.Tensor):
+    """The compiled epilogue on CUDA (``LOGITLESS_CHUNKED_COMPILE=0`` turns it off), eager elsewhere.
+
+    The chunked path stays pure PyTorch; compiling its per-chunk softmax/gradient is what brings its
+    head overhead to the level of torchtune's (eager, it is a dozen memory passes over rows x V fp32).
+    Row counts vary with the tail chunk and the batch, hence ``dynamic=True``.
+    """
+    global _COMPILED_CE_EPILOGUE
+    if not hidden.is_cuda or os.environ.get("LOGITLESS_CHUNKED_COMPILE", "1") == "0":
+        return _ce_epilogue_eager
+    if _COMPILED_CE_EPILOGUE is None:
+        _COMPILED_CE_EPILOGUE = torch.compile(_ce_epilogue_fusible, dynamic=True)
+    return _COMPILED_CE_EPILOGUE
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
     # Logits straight into the accumulator dtype: one pass fewer than bf16 logits + upcast, and
     # never less accurate.
@@ -98,21 +141,18 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
         dh = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        epilogue = _ce_epilogue_for(hidden)
         for start in range(0, n, chunk_size):
             h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
             valid = valid_all[start : start + chunk_size]
             safe = torch.where(valid, y, 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
-            lse = torch.logsumexp(z, dim=-1)
-            loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0)
-            total = total + loss.sum()
             if not (need_dh or need_dw):
+                lse = torch.logsumexp(z, dim=-1)
+                total = total + torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
                 continue
-            # dloss/dlogits = (softmax - onehot) / T, computed in place on the chunk's logits.
-            grad = z.sub_(lse.unsqueeze(1)).exp_()
-            grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=acc))
-            grad.mul_((valid.to(acc) * (scale / temperature)).unsqueeze(1))
-            grad = _gemm_operand(grad, hidden.dtype)
+            loss, grad = epilogue(z, safe, valid, scale / temperature, _gemm_dtype(z, hidden.dtype))
+            total = total + loss
             if need_dh:
                 dh[start : start + chunk_size] = _mm_acc(grad, weight, acc)
             if need_dw:
