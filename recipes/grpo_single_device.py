@@ -3,7 +3,8 @@ Run: tune run grpo_single_device --config configs/tiny_grpo.yaml
 
 Sampling (KV cache, last-position logits only), rewards, advantages and the policy update live in
 :mod:`logitless.rl`; the loss is ``logitless.losses.GRPOLoss`` through the loss protocol; checkpoints,
-resume, metric logging and progress come from :mod:`logitless.training` (see GRPORecipe).
+resume, metric logging and progress come from :mod:`logitless.training` (see GRPORecipe, which
+grpo_distributed shares).
 """
 
 import sys

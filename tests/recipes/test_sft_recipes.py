@@ -5,8 +5,6 @@ import glob
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pathlib
@@ -136,21 +134,13 @@ def test_real_configs_validate_with_random_synthetic_overrides(repo_cwd, tmp_pat
     assert raw.checkpointer.checkpoint_dir.startswith("/tmp/Qwen2.5-") and raw.model_init == "checkpoint"
 
 
-def _tune(args, out, env=None):
-    """``tune run ...`` in a subprocess; recipes/ and components/ on the path even without ``pip install -e .``."""
-    path = os.pathsep.join([str(REPO / "recipes"), str(REPO / "components"), os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": path, **(env or {})})
-
-
 @pytest.mark.slow
-def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path):
+def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path, tune_cli):
     over = ["max_steps=24", "batch_size=4", "gradient_accumulation_steps=1", "save_every_n_steps=4",
             "keep_last_n_checkpoints=2", "lr_scheduler.num_warmup_steps=1"]
     args = ["run", "full_sft_single_device", "--config", "configs/tiny_full.yaml", *over]
     out = tmp_path / "killed"
-    p = _tune(args, out)
+    p = tune_cli(args, out)
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if any(int(d.name[5:]) >= 8 for d in complete_checkpoints(out)):
@@ -163,7 +153,7 @@ def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path):
     assert done, "no checkpoint before the kill"
     at = int(done[-1].name[5:])
     assert 8 <= at < 24, f"killed at step {at}: the run was not interrupted mid-way"
-    r = _tune(args + ["resume_from_checkpoint=true"], out)
+    r = tune_cli(args + ["resume_from_checkpoint=true"], out)
     log = r.communicate(timeout=300)[0]
     assert r.returncode == 0, log[-3000:]
     resumed = logged_losses(str(out))
@@ -175,12 +165,12 @@ def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path):
 
 
 @pytest.mark.slow
-def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path):
+def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path, tune_cli):
     over = ["max_steps=4", "batch_size=2", "gradient_accumulation_steps=2", "save_every_n_steps=2",
             "device=cpu", "lr_scheduler.num_warmup_steps=1"]
     args = ["run", "--nproc_per_node", "2", "full_sft_distributed", "--config", "configs/tiny_full.yaml", *over]
     env = {"OMP_NUM_THREADS": "1"}
-    p = _tune(args, tmp_path / "dist", env=env)
+    p = tune_cli(args, tmp_path / "dist", env=env)
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-4000:]
     dist_losses = logged_losses(str(tmp_path / "dist"))
@@ -194,7 +184,7 @@ def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo
     assert [d.name for d in complete_checkpoints(tmp_path / "dist")] == ["step_000002", "step_000004"]
     os.makedirs(tmp_path / "resumed")
     shutil.copytree(tmp_path / "dist" / "step_000002", tmp_path / "resumed" / "step_000002")
-    p = _tune(args + ["resume_from_checkpoint=true"], tmp_path / "resumed", env=env)
+    p = tune_cli(args + ["resume_from_checkpoint=true"], tmp_path / "resumed", env=env)
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-4000:]
     resumed = logged_losses(str(tmp_path / "resumed"))

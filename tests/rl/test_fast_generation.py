@@ -102,7 +102,7 @@ def test_wrapped_model_in_hidden_mode_and_one_new_token():
 
 
 def test_layers_with_hooks_are_called_as_modules():
-    # FSDP2 and activation checkpointing act through the layer's __call__: never bypass it then
+    # a user's hooks act through the layer's __call__: never bypass it then
     model = tiny().eval()
     expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
     calls = []
@@ -111,6 +111,21 @@ def test_layers_with_hooks_are_called_as_modules():
     out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
     assert completions(out) == expected
     assert calls == [5, 1, 1, 1]  # the prefill (width 5), then one call per decode step
+
+
+def test_activation_checkpointing_is_skipped_when_decoding():
+    """No-grad decoding keeps no activations: the checkpoint wrapper is stepped past (same tokens)."""
+    from logitless.rl.generation import decoding_layer
+    from logitless.training.model import apply_activation_checkpointing
+
+    model = tiny().eval()
+    expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
+    apply_activation_checkpointing(model)
+    assert all(decoding_layer(layer) is not layer and fast_generation._groupable(decoding_layer(layer))
+               for layer in model.layers)
+    for sampler in (uncompiled(), eager_generate):
+        out = sampler(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
+        assert completions(out) == expected
 
 
 def training_log_probs(model, rollout, temperature):

@@ -19,3 +19,38 @@ def test_backend_selection():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="generation.backend must be one of"):
         build_sampler({"backend": "vllm"}, torch.device("cpu"))
+
+
+def test_sharded_policies_sample_eagerly_and_uncompiled():
+    assert build_sampler({"backend": "auto"}, torch.device("cuda"), sharded=True) == (generate, generate)
+    fast, _ = build_sampler({"backend": "fast"}, torch.device("cuda"), sharded=True)
+    assert fast.compile is False
+    with pytest.raises(ValueError, match="generation.compile: true is not supported with FSDP"):
+        build_sampler({"backend": "fast", "compile": True}, torch.device("cuda"), sharded=True)
+
+
+@pytest.mark.parametrize("sampler", [generate, fast_generation.FastGenerator(compile=False)], ids=["eager", "fast"])
+def test_per_prompt_streams_make_a_groups_completions_independent_of_the_batch(sampler):
+    """What lets data-parallel ranks sample their share of the prompts and get the one-device rollout."""
+    from logitless.models import qwen2_5_tiny
+    from logitless.rl.sampling import prompt_generators
+
+    torch.manual_seed(0)
+    model = qwen2_5_tiny(vocab_size=64, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
+                         intermediate_dim=64, max_seq_len=64).eval()
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(0.1)  # a spread-out distribution, so draws differ
+    prompts = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
+    kw = dict(max_new_tokens=6, stop_tokens=[3], pad_id=0, num_generations=3)
+    whole = sampler(model, prompts, generator=prompt_generators(7, 2, range(4)), **kw)
+    for share in (range(0, 2), range(2, 4), range(3, 4)):
+        part = sampler(model, [prompts[i] for i in share], generator=prompt_generators(7, 2, share), **kw)
+        rows = slice(share.start * 3, share.stop * 3)
+        width = part.completion_tokens.shape[1]
+        assert torch.equal(part.completion_tokens, whole.completion_tokens[rows, :width])
+        assert not whole.completion_mask[rows, width:].any()
+    assert len({tuple(r) for r in whole.completion_tokens.tolist()}) > 4  # real samples, not one answer
+    other_step = sampler(model, prompts, generator=prompt_generators(7, 3, range(4)), **kw)
+    assert not torch.equal(other_step.completion_tokens, whole.completion_tokens)
+    with pytest.raises(ValueError, match=r"expected one torch.Generator per prompt \(4\), got a sequence of 2"):
+        sampler(model, prompts, generator=prompt_generators(7, 2, range(2)), **kw)

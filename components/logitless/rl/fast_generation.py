@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from logitless.rl.generation import Rollout, left_pad
-from logitless.rl.sampling import check_sampling_args, sample_next
+from logitless.rl.generation import Rollout, _gathered_fsdp_unit, decoding_layer, left_pad, run_decoding_layer
+from logitless.rl.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
 
 __all__ = ["FastGenerator", "generate"]
 
@@ -79,18 +79,21 @@ def _last_logits(model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor
     """Trunk + final norm of the last position, projected by ``weight``: ``(B, V)`` fp32 logits."""
     h = model.tok_embeddings(tokens)
     for layer in model.layers:
-        h = layer(h, mask=mask, input_pos=input_pos)
+        h = run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     return F.linear(model.norm(h[:, -1]), weight).float()
 
 
 def _groupable(layer: nn.Module) -> bool:
-    """True for a plain torchtune self-attention layer: no wrapper class (FSDP2, activation
-    checkpointing) and no hooks, so calling its parts directly is what calling it would do."""
+    """True for a torchtune self-attention layer whose parts may be called directly: a plain one
+    without hooks, or an FSDP2 unit with its weights gathered (its hooks are FSDP's bookkeeping);
+    ``layer`` is already past activation checkpointing (:func:`decoding_layer`)."""
     from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
-    plain = type(layer) is TransformerSelfAttentionLayer and type(layer.attn) is MultiHeadAttention
-    return plain and not (layer._forward_hooks or layer._forward_pre_hooks
-                          or layer.attn._forward_hooks or layer.attn._forward_pre_hooks)
+    if type(layer.attn) is not MultiHeadAttention or layer.attn._forward_hooks or layer.attn._forward_pre_hooks:
+        return False
+    if _gathered_fsdp_unit(layer):
+        return isinstance(layer, TransformerSelfAttentionLayer)
+    return type(layer) is TransformerSelfAttentionLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
 
 
 def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor,
@@ -127,8 +130,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                 grouped: bool) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin."""
+    layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
-        return layer(h, mask=mask, input_pos=input_pos)
+        return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask)) + h
     return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
 
@@ -317,7 +321,7 @@ class FastGenerator:
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
+        generator: RandomSource = None,
     ) -> Rollout:
         """Samples ``num_generations`` completions for every prompt.
 
@@ -332,7 +336,9 @@ class FastGenerator:
             temperature (float): sampling temperature (0 = greedy).
             top_k (Optional[int]): top-k filter.
             top_p (Optional[float]): nucleus filter.
-            generator (Optional[torch.Generator]): random source on the model's device.
+            generator (RandomSource): random source on the model's device: one generator, or one per
+            prompt (:func:`logitless.rl.sampling.prompt_generators`) so that a group's completions do
+            not depend on the other prompts of the batch.
 
         Returns:
             Rollout: as :func:`logitless.rl.generation.generate` returns it.
@@ -343,6 +349,7 @@ class FastGenerator:
         from logitless.modules import head_weight
 
         _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k, top_p)
+        check_random_source(generator, len(prompts))
         if model.caches_are_setup():
             raise ValueError("model: KV caches are already set up; the fast sampler attaches its own "
                              "(call torchtune.modules.common_utils.delete_kv_caches(model) first)")
@@ -445,7 +452,7 @@ def generate(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+    generator: RandomSource = None,
     **options,
 ) -> Rollout:
     """Drop-in for :func:`logitless.rl.generation.generate` backed by a per-model :class:`FastGenerator`.

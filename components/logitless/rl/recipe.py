@@ -1,14 +1,24 @@
-"""The body of ``recipes/grpo_single_device.py``: GRPO with a full or LoRA policy on one device.
+"""The body of ``recipes/grpo_single_device.py`` and ``recipes/grpo_distributed.py``: GRPO with a
+full or LoRA policy, on one device or with FSDP2 over every rank.
 
 Each step: take ``prompts_per_step`` prompts (a deterministic order from ``seed``), sample
 ``num_generations`` completions each with the KV-cached sampler, score them with the configured
 reward functions, compute group-relative advantages, then run ``num_iterations`` optimizer steps over
 the batch in micro-batches of ``micro_batch_size`` completions with ``logitless.losses.GRPOLoss``.
 
-Set-up order: validate the whole config -> device / seed -> tokenizer, data, rewards -> policy (+
-weights, LoRA freeze) -> reference (frozen copy, or adapters disabled for LoRA; only if beta > 0)
--> resume -> optimizer -> loop. Checkpoints, resume, metric logging and the progress bar come from
-:mod:`logitless.training`; everything GRPO-specific from :mod:`logitless.rl`.
+Distributed, the step's prompts are split contiguously over the ranks (a group never spans two).
+Each rank samples its share with the policy's weights gathered for the call
+(``Runtime.full_weights``) and scores it; the per-completion rewards, lengths and truncation flags
+are gathered, so advantages (``advantage_scale: batch`` included) and every logged metric are
+those of the whole batch; the update normalises over the global batch (``grpo_update``). Sampling
+draws from one random stream per prompt, seeded by ``(seed, step, prompt index)``, so the run
+samples the same completions as one device does, whatever the number of ranks.
+
+Set-up order: validate the whole config -> process group / device / seed -> tokenizer, data,
+rewards -> policy (+ weights, LoRA freeze) -> reference (frozen copy, or adapters disabled for LoRA;
+only if beta > 0) -> resume -> FSDP2 -> optimizer -> loop. Checkpoints, resume, sharding, metric
+logging and the progress bar come from :mod:`logitless.training`; everything GRPO-specific from
+:mod:`logitless.rl`.
 """
 
 from __future__ import annotations
@@ -23,14 +33,17 @@ from torchtune import config as tt_config
 from torchtune import training as tt_training
 
 from logitless.rl.advantages import group_advantages
-from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
+from logitless.rl.metrics import rollout_metrics
 from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
+from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
+from logitless.rl.sampling import prompt_generators
 from logitless.rl.shared_batch import PROMPT_SHARING, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
+from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
+from logitless.training.distributed import FSDP_KEYS, Runtime, launched_world_size
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.progress import ProgressBar, peak_memory_gib
 
@@ -76,13 +89,28 @@ GRPO_SCHEMA: Dict[str, Key] = {
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
 
 
-def validate_grpo_config(cfg: DictConfig) -> DictConfig:
-    """Validates a GRPO config before anything is built; raises ConfigError naming the key."""
+def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
+    """Validates a GRPO config before anything is built.
+
+    Args:
+        cfg (DictConfig): the config.
+        distributed (bool): the FSDP2 recipe (adds the ``fsdp_*`` keys; ``generation.compile`` refused).
+        world_size (int): ranks the step's prompts are split over.
+
+    Returns:
+        DictConfig: ``cfg`` with defaults filled in.
+
+    Raises:
+        ConfigError: naming the key, what it holds and what was expected.
+
+    Example:
+        >>> validate_grpo_config(OmegaConf.load("configs/tiny_grpo.yaml"), distributed=True, world_size=4)
+    """
     skip = ["checkpointer"] if cfg.get("model_init", "checkpoint") == "random" else []
     # a synthetic tokenizer/dataset swapped in by one _component_ override ignores the real one's files
     skip += [k for k in ("tokenizer", "dataset", "eval_dataset")
              if isinstance(cfg.get(k), DictConfig) and "synthetic" in str(cfg[k].get("_component_", ""))]
-    validate_config(cfg, GRPO_SCHEMA, skip_file_checks=skip)
+    validate_config(cfg, {**GRPO_SCHEMA, **(FSDP_KEYS if distributed else {})}, skip_file_checks=skip)
     if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
         raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' (or model_init=random)")
     gen = cfg.generation
@@ -91,10 +119,15 @@ def validate_grpo_config(cfg: DictConfig) -> DictConfig:
     unknown = set(gen.keys()) - _GEN_KEYS
     if unknown:
         raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
-    n = cfg.prompts_per_step * cfg.num_generations
+    if cfg.prompts_per_step % world_size:
+        raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
+                          f"over {world_size} ranks; expected a multiple of the world size {world_size}")
+    n = cfg.prompts_per_step // world_size * cfg.num_generations
     if n % cfg.micro_batch_size:
+        per = "per step (prompts_per_step x num_generations)" if world_size == 1 else \
+            f"per rank (prompts_per_step / {world_size} ranks x num_generations)"
         raise ConfigError(f"config key 'micro_batch_size': {cfg.micro_batch_size} does not divide the "
-                          f"{n} completions per step (prompts_per_step x num_generations)")
+                          f"{n} completions {per}")
     try:
         use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
                            num_generations=cfg.num_generations)
@@ -108,6 +141,11 @@ def validate_grpo_config(cfg: DictConfig) -> DictConfig:
                           f"${{generation.temperature}})")
     if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
+    try:
+        build_sampler(sampler_options, torch.device("cpu"), sharded=distributed)
+    except ValueError as e:
+        raise ConfigError(f"config key 'generation': {e}") from None
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
         raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
     build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry
@@ -115,18 +153,21 @@ def validate_grpo_config(cfg: DictConfig) -> DictConfig:
 
 
 class GRPORecipe:
-    """GRPO on one device (see the module docstring).
+    """GRPO on one device or with FSDP2 over every rank (see the module docstring).
 
     Args:
-        cfg (DictConfig): the config (validated here).
+        cfg (DictConfig): the config (validated here, before anything is built).
+        distributed (bool): FSDP2 over the ranks of ``torchrun`` / ``tune run --nproc_per_node``.
 
     Example:
         >>> history = GRPORecipe(OmegaConf.load("configs/tiny_grpo.yaml")).run()
         >>> history[-1]["reward/mean"]
     """
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg = validate_grpo_config(cfg)
+    def __init__(self, cfg: DictConfig, *, distributed: bool = False):
+        self.distributed = distributed
+        self.cfg = validate_grpo_config(cfg, distributed=distributed,
+                                        world_size=launched_world_size() if distributed else 1)
         self.is_lora = "lora_rank" in cfg.model
         self.prompt_sharing = use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
                                                  num_generations=cfg.num_generations)
@@ -135,10 +176,10 @@ class GRPORecipe:
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> Optional[Dict[str, Any]]:
         cfg = self.cfg
+        self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
         if cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)
-        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
+        self.device = self.runtime.device
         self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
         self.seed = tt_training.set_seed(cfg.seed)
         self.tokenizer = tt_config.instantiate(cfg.tokenizer)
@@ -149,14 +190,15 @@ class GRPORecipe:
         gen = OmegaConf.to_container(cfg.generation, resolve=True)
         gen.setdefault("stop_tokens", list(getattr(self.tokenizer, "stop_tokens", [self.tokenizer.eos_id])))
         sampler_options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
-        self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device)
+        self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device, sharded=self.distributed)
         self.gen_kwargs = gen
         self.pad_id = self.tokenizer.pad_id if getattr(self.tokenizer, "pad_id", None) is not None else 0
 
         resume_dir = self._resume_dir()
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
-                                      cfg.output_dir, keep_last_n=cfg.keep_last_n_checkpoints)
-        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype)
+                                      cfg.output_dir, is_rank_zero=self.runtime.is_rank_zero,
+                                      keep_last_n=cfg.keep_last_n_checkpoints)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed)
         adapter_keys = [k for k in model.state_dict() if "lora_" in k] if self.is_lora else None
         if cfg.model_init == "checkpoint":
             model_utils.load_weights(model, self.ckpt.load_model_state(), allow_missing=adapter_keys,
@@ -176,6 +218,11 @@ class GRPORecipe:
                 model_utils.load_weights(model, self.ckpt.load_model_state(resume_dir), source=str(resume_dir))
         if cfg.enable_activation_checkpointing:
             model_utils.apply_activation_checkpointing(model)
+        fsdp = {"cpu_offload": cfg.get("fsdp_cpu_offload", False),
+                "reshard_after_forward": cfg.get("fsdp_reshard_after_forward", True)}
+        self.runtime.shard(model, **fsdp)
+        if self.reference is not None and self.reference.model is not model:  # a frozen copy: sharded alike
+            self.runtime.shard(self.reference.model, **fsdp)
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = tt_config.instantiate(cfg.optimizer, params)
@@ -183,10 +230,10 @@ class GRPORecipe:
                              if cfg.lr_scheduler is not None else None)
         state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.runtime.load_optimizer_state_dict(model, self.optimizer, state["optimizer"])
             if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            set_rng_state(state["rng"])
+            set_rng_state(self.runtime.own_rng_state(state["rng"]))
         return state
 
     def _resume_dir(self):
@@ -200,21 +247,22 @@ class GRPORecipe:
         return done[-1] if done else None
 
     # ------------------------------------------------------------------ pieces of a step
-    def prompts_for_step(self, step: int) -> List[Dict[str, Any]]:
-        """Rows of GRPO step ``step`` (0-based): a fixed shuffle per epoch, so resume needs only the step."""
+    def prompt_indices(self, step: int) -> List[int]:
+        """Dataset rows of GRPO step ``step`` (0-based), in batch order: a fixed shuffle per epoch, so
+        resume needs only the step."""
         n, k = len(self.dataset), self.cfg.prompts_per_step
         rows = []
         for idx in range(step * k, (step + 1) * k):
             epoch, pos = divmod(idx, n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
-            rows.append(self.dataset[int(perm[pos])])
+            rows.append(int(perm[pos]))
         return rows
 
     def _sample(self, rows, num_generations: int, generator, evaluation: bool = False, **overrides):
         kwargs = {**self.gen_kwargs, **overrides}
         sample = self.eval_sample_fn if evaluation else self.sample_fn
         rollout = sample(self.model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
-                           pad_id=self.pad_id, generator=generator, **kwargs)
+                         pad_id=self.pad_id, generator=generator, **kwargs)
         texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
                  for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
@@ -222,66 +270,89 @@ class GRPORecipe:
                   for k in rows[0] if k not in ("prompt", "prompt_tokens")}
         return rollout, prompts, texts, fields
 
+    def _gather(self, columns: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per-completion values of every rank's share, in batch order (one collective for all)."""
+        names = list(columns)
+        table = self.runtime.all_gather(torch.stack([columns[k].float().cpu() for k in names], dim=1))
+        return {k: table[:, i] for i, k in enumerate(names)}
+
+    def _peak_memory(self) -> Dict[str, float]:
+        """Peak memory of the busiest rank."""
+        mem = peak_memory_gib(self.device)
+        peaks = self.runtime.all_reduce(torch.tensor(list(mem.values()), dtype=torch.float64), op="max")
+        return dict(zip(mem, peaks.tolist()))
+
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
-        """Greedy accuracy (mean of ``eval_reward``) on the held-out prompts."""
+        """Greedy accuracy (mean of ``eval_reward``) on the held-out prompts, split over the ranks."""
         cfg = self.cfg
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))][: cfg.eval_num_prompts]
+        rows = [rows[i] for i in self.runtime.share(len(rows))]
         name = cfg.eval_reward or self.rewards[0].name
-        scores = []
-        for start in range(0, len(rows), cfg.eval_batch_size):
-            chunk = rows[start:start + cfg.eval_batch_size]
-            _, prompts, texts, fields = self._sample(chunk, 1, None, evaluation=True, temperature=0.0)
-            scores.append(compute_rewards(self.rewards, prompts, texts, fields, batch_id="eval")[name])
-        return {"eval/accuracy": float(torch.cat(scores).mean())}
+        total = torch.zeros(2, dtype=torch.float64)  # score sum, prompts
+        with self.runtime.full_weights(self.model):
+            for start in range(0, len(rows), cfg.eval_batch_size):
+                chunk = rows[start:start + cfg.eval_batch_size]
+                _, prompts, texts, fields = self._sample(chunk, 1, None, evaluation=True, temperature=0.0)
+                scores = compute_rewards(self.rewards, prompts, texts, fields, batch_id="eval")[name]
+                total += torch.tensor([float(scores.double().sum()), len(chunk)], dtype=torch.float64)
+        total = self.runtime.all_reduce(total)
+        return {"eval/accuracy": float(total[0] / total[1])}
 
     def train_step(self, step: int) -> Dict[str, float]:
-        """One GRPO step (generation, rewards, advantages, update); returns its metrics."""
+        """One GRPO step (generation, rewards, advantages, update); returns the whole batch's metrics."""
         cfg = self.cfg
+        group_size = cfg.num_generations
         t0 = time.perf_counter()
-        rows = self.prompts_for_step(step)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
-        rollout, prompts, texts, fields = self._sample(rows, cfg.num_generations, gen)
+        share = self.runtime.share(cfg.prompts_per_step)  # this rank's prompts (equal shares: validated)
+        indices = self.prompt_indices(step)
+        rows = [self.dataset[indices[i]] for i in share]
+        generators = prompt_generators(self.seed, step, share, self.device)
+        with self.runtime.full_weights(self.model):
+            rollout, prompts, texts, fields = self._sample(rows, group_size, generators)
         t_gen = time.perf_counter()
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
-        advantages = group_advantages(rewards["total"], cfg.num_generations, scale=cfg.advantage_scale)
+        batch_values = self._gather({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated})
+        lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
+        advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
         batch = training_batch(rollout, prompt_sharing=self.prompt_sharing, pad_id=self.pad_id,
                                ignore_index=self.loss_fn.ignore_index)
-        upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, advantages.to(self.device),
+        upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch,
+                          advantages[share.start * group_size:share.stop * group_size].to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
-                          lr_scheduler=self.lr_scheduler)
+                          lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None)
+        if self.reference is not None:
+            self.runtime.release(self.reference.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_end = time.perf_counter()
-        lengths = rollout.completion_lengths.float()
-        n_tokens = int(rollout.prompt_mask.sum()) + int(lengths.sum())
-        metrics = {f"reward/{k}/mean" if k != "total" else "reward/mean": float(v.mean())
-                   for k, v in rewards.items()}
-        metrics.update({f"reward/{k}/std" if k != "total" else "reward/std": float(v.std())
-                        for k, v in rewards.items()})
+        n_tokens = float(self.runtime.all_reduce(torch.tensor(
+            float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()), dtype=torch.float64)))
+        metrics = rollout_metrics(batch_values, lengths, truncated.bool())
         metrics.update(upd)
         metrics.update({
-            "completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
-            "truncated_fraction": float(rollout.truncated.float().mean()),
             "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
             "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
-            "tokens_per_second": n_tokens / (t_end - t0), **peak_memory_gib(self.device)})
+            "tokens_per_second": n_tokens / (t_end - t0), **self._peak_memory()})
         return metrics
 
     def save(self, step: int) -> None:
-        """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG)."""
-        state = {"step": step, "optimizer": self.optimizer.state_dict(),
+        """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG); all ranks take
+        part, rank 0 writes."""
+        state = {"step": step, "optimizer": self.runtime.optimizer_state_dict(self.model, self.optimizer),
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                 "rng": rng_state(), "seed": self.seed, "config": config_summary(self.cfg)}
-        full_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        full_sd = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in full_sd.items()}
-        if self.is_lora:
-            adapter, merged = model_utils.lora_states(full_sd, self.cfg.model, merge=self.cfg.merge_adapters)
-            self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=merged, adapter_state=adapter,
-                           adapter_config=model_utils.adapter_config(self.cfg.model))
-        else:
-            self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=full_sd)
+                 "rng": self.runtime.rng_states(), "seed": self.seed, "world_size": self.runtime.world_size,
+                 "config": config_summary(self.cfg)}
+        full_sd = self.runtime.full_state_dict(self.model)
+        if self.runtime.is_rank_zero:
+            if self.is_lora:
+                adapter, merged = model_utils.lora_states(full_sd, self.cfg.model, merge=self.cfg.merge_adapters)
+                self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=merged, adapter_state=adapter,
+                               adapter_config=model_utils.adapter_config(self.cfg.model))
+            else:
+                self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=full_sd)
+        self.runtime.barrier()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> List[Dict[str, float]]:
@@ -289,10 +360,11 @@ class GRPORecipe:
         cfg = self.cfg
         state = self._setup()
         step = state["step"] if state is not None else 0
-        logger = build_metric_logger(cfg.metric_logger, cfg.output_dir)
-        if state is None:
+        rank_zero = self.runtime.is_rank_zero
+        logger = build_metric_logger(cfg.metric_logger, cfg.output_dir, is_rank_zero=rank_zero)
+        if state is None and rank_zero:
             logger.log_config(cfg)
-        bar = ProgressBar(cfg.max_steps, initial=step)
+        bar = ProgressBar(cfg.max_steps, initial=step, enabled=rank_zero)
         last_saved = step if state is not None else -1
         self.model.train()
         while step < cfg.max_steps:
@@ -314,9 +386,10 @@ class GRPORecipe:
             self.save(step)
         bar.close()
         logger.close()
+        self.runtime.shutdown()
         return self.history
 
 
-def recipe_main(cfg: DictConfig) -> None:
-    """Entry point of ``recipes/grpo_single_device.py``."""
-    GRPORecipe(cfg).run()
+def recipe_main(cfg: DictConfig, *, distributed: bool = False) -> None:
+    """Entry point of ``recipes/grpo_single_device.py`` and ``recipes/grpo_distributed.py``."""
+    GRPORecipe(cfg, distributed=distributed).run()

@@ -1,8 +1,69 @@
-"""Next-token sampling from one row of logits per sequence: temperature, top-k, top-p, greedy."""
+"""Next-token sampling from one row of logits per sequence: temperature, top-k, top-p, greedy.
 
-from typing import Optional, Tuple
+Random streams: a sampler draws either from one ``torch.Generator`` for the whole batch, or from one
+generator per prompt (:func:`prompt_generators`), each drawing the tokens of its prompt's group only.
+With per-prompt streams a group's completions depend on the seed, the step and the prompt's index,
+not on which other prompts share the batch: the union of the rollouts of several data-parallel
+ranks, each sampling its share of the prompts, is the rollout of one device sampling them all.
+"""
 
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
 import torch
+
+#: What a sampler accepts as its random source: None (torch's global generator), one generator for
+#: the whole batch, or one generator per prompt (rows split into equal contiguous groups).
+RandomSource = Union[None, torch.Generator, Sequence[torch.Generator]]
+
+
+def prompt_generators(seed: int, step: int, prompt_indices: Sequence[int],
+                      device: Union[str, torch.device] = "cpu") -> list:
+    """One generator per prompt, seeded from ``(seed, step, prompt index)``.
+
+    Args:
+        seed (int): the run's seed.
+        step (int): the training step (or any other counter that must give new samples).
+        prompt_indices (Sequence[int]): the prompts' positions in the step's global batch.
+        device: where the sampler's logits live.
+
+    Returns:
+        list: ``torch.Generator`` objects, one per prompt, in the order of ``prompt_indices``.
+
+    Example:
+        >>> a = prompt_generators(0, 3, [0, 1, 2, 3])
+        >>> b = prompt_generators(0, 3, [2, 3])       # rank 1 of 2 draws the same streams as a[2:]
+        >>> torch.rand(1, generator=a[2]) == torch.rand(1, generator=b[0])
+        tensor([True])
+    """
+    gens = []
+    for index in prompt_indices:
+        # SeedSequence mixes the three integers into a well-spread 64-bit seed (no overflow, no
+        # collisions between neighbouring steps and prompts as a linear formula would risk).
+        key = np.random.SeedSequence([int(seed) % 2**63, int(step), int(index)])
+        gens.append(torch.Generator(device=device).manual_seed(int(key.generate_state(1, np.uint64)[0])))
+    return gens
+
+
+def check_random_source(generator: RandomSource, num_prompts: int) -> None:
+    """Raises ValueError unless ``generator`` is None, a generator, or one generator per prompt."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    if len(generator) != num_prompts:
+        raise ValueError(f"generator: expected one torch.Generator per prompt ({num_prompts}), "
+                         f"got a sequence of {len(generator)}")
+
+
+def _draw(probs: torch.Tensor, generator: RandomSource) -> torch.Tensor:
+    """One token per row of ``probs``; with a sequence of generators, each draws its own rows."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    rows, rest = divmod(probs.shape[0], len(generator))
+    if rest:
+        raise ValueError(f"generator: {len(generator)} generators cannot split {probs.shape[0]} rows "
+                         f"into equal groups")
+    return torch.cat([torch.multinomial(probs[i * rows:(i + 1) * rows], 1, generator=g)
+                      for i, g in enumerate(generator)]).squeeze(-1)
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
@@ -27,7 +88,7 @@ def sample_next(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+    generator: RandomSource = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row and returns it with its log-probability.
 
@@ -40,7 +101,8 @@ def sample_next(
         temperature (float): divides the logits; 0 = greedy.
         top_k (Optional[int]): keep the k most likely tokens.
         top_p (Optional[float]): keep the smallest set whose probability reaches ``top_p``.
-        generator (Optional[torch.Generator]): random source (on the logits' device).
+        generator (RandomSource): random source on the logits' device: one generator, or one per
+            group of rows (``B`` must be a multiple of their number; each draws its own rows).
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: tokens ``(B,)`` int64 and log-probs ``(B,)`` fp32.
@@ -69,5 +131,5 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = _draw(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -5,9 +5,16 @@ The batch is a :class:`~logitless.rl.batch.PolicyBatch` (one row per completion)
 :class:`~logitless.rl.shared_batch.SharedGroupBatch` (prompt once per group); both give the policy,
 old and reference passes a response-only head through ``batch.forward(model)`` and
 ``batch.head_labels``, so every per-token tensor has the ``(N, T)`` completion layout.
+
+Data parallel (``data_parallel``, an FSDP2 :class:`~logitless.training.distributed.Runtime`): each rank
+holds a contiguous share of the batch, and the update equals the one-device update of the whole
+batch. The loss's normalisers count the GLOBAL batch (its sequences, its loss tokens, its
+micro-batches); since FSDP2 averages gradients over the ranks, each rank's loss is multiplied by
+the world size before backward, so the reduced gradient is the sum of the ranks' shares; the
+gradient norm (clipping) is that of the full DTensor gradients; metrics are global.
 """
 
-from typing import Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -15,6 +22,9 @@ from torch import nn
 from logitless.rl.batch import PolicyBatch
 from logitless.rl.reference import ReferencePolicy
 from logitless.rl.shared_batch import SharedGroupBatch
+
+if TYPE_CHECKING:
+    from logitless.training.distributed import Runtime
 
 TrainBatch = Union[PolicyBatch, SharedGroupBatch]
 
@@ -48,6 +58,7 @@ def grpo_update(
     reference: Optional[ReferencePolicy] = None,
     clip_grad_norm: Optional[float] = None,
     lr_scheduler=None,
+    data_parallel: Optional["Runtime"] = None,
 ) -> Dict[str, float]:
     """Runs ``num_iterations`` optimizer steps on one generation batch.
 
@@ -68,10 +79,18 @@ def grpo_update(
         reference (Optional[ReferencePolicy]): the KL reference (needed when ``loss_fn.beta > 0``).
         clip_grad_norm (Optional[float]): max total gradient norm.
         lr_scheduler: stepped after every optimizer step.
+        data_parallel (Optional[Runtime]): the ranks the generation batch is split over (this
+            rank's share is ``batch``; FSDP2 averages gradients over them); None on one device.
 
     Returns:
         Dict[str, float]: token-weighted means of the loss metrics over the last iteration, plus
-        ``loss`` (sum of micro-batch losses) and ``grad_norm`` (before clipping).
+        ``loss`` (sum of micro-batch losses) and ``grad_norm`` (before clipping), all over the whole
+        batch (every rank's share), and ``num_loss_tokens``.
+
+    Example:
+        >>> out = grpo_update(policy, loss_fn, optimizer, training_batch(rollout, prompt_sharing=False),
+        ...                   advantages, micro_batch_size=8)
+        >>> out["loss"], out["grad_norm"]
     """
     if num_iterations < 1:
         raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
@@ -81,6 +100,8 @@ def grpo_update(
     if micro_batch_size < 1 or n % micro_batch_size:
         raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch of {n} completions")
     micro = list(batch.micro_batches(micro_batch_size))
+    ranks = 1 if data_parallel is None else data_parallel.world_size
+    reduce = (lambda t: t) if data_parallel is None else data_parallel.all_reduce
     loss_fn.set_model_output(model)
     starts = range(0, n, micro_batch_size)
     old = batch_log_probs(model, loss_fn, batch, micro_batch_size) if num_iterations > 1 else None
@@ -88,8 +109,12 @@ def grpo_update(
     if reference is not None:
         ref = torch.cat([reference.log_probs(loss_fn, mb) for mb in micro])
         loss_fn.set_model_output(model)
-    total_tokens = loss_fn.num_loss_tokens(batch.head_labels, batch.truncated)
-    params = [p for p in model.parameters() if p.requires_grad]
+    local_tokens = loss_fn.num_loss_tokens(batch.head_labels, batch.truncated)
+    total_tokens = int(reduce(torch.tensor(local_tokens, dtype=torch.float64)).item())
+    # The optimizer's own parameters: under FSDP2 a no-grad forward (old log-probs) leaves the root
+    # unit gathered, and model.parameters() would then list its unsharded tensors, not the sharded
+    # ones that hold the gradients.
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     for _ in range(num_iterations):
         sums: Dict[str, float] = {}
         weights: Dict[str, float] = {}
@@ -100,10 +125,10 @@ def grpo_update(
                 mb.forward(model), mb.head_labels, advantages[rows],
                 old_log_probs=None if old is None else old[rows],
                 ref_log_probs=None if ref is None else ref[rows],
-                truncated=mb.truncated, total_sequences=n, total_tokens=total_tokens,
-                num_micro_batches=len(micro),
+                truncated=mb.truncated, total_sequences=n * ranks, total_tokens=total_tokens,
+                num_micro_batches=len(micro) * ranks,
             )
-            loss.backward()
+            (loss * ranks if ranks > 1 else loss).backward()
             loss_total += float(loss.detach())
             w = float(metrics["num_tokens"])
             for k, v in metrics.items():
@@ -112,10 +137,15 @@ def grpo_update(
                     weights[k] = weights.get(k, 0.0) + w
         grad_norm = torch.nn.utils.clip_grad_norm_(
             params, max_norm=float("inf") if clip_grad_norm is None else clip_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): the norm over all shards
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if lr_scheduler is not None:
             lr_scheduler.step()
-    out = {k: sums[k] / max(weights[k], 1.0) for k in sums}
-    out.update(loss=loss_total, grad_norm=float(grad_norm), num_loss_tokens=float(total_tokens))
+    keys = sorted(sums)
+    totals = reduce(torch.tensor([loss_total] + [sums[k] for k in keys] + [weights[k] for k in keys],
+                                 dtype=torch.float64)).tolist()
+    out = {k: totals[1 + i] / max(totals[1 + len(keys) + i], 1.0) for i, k in enumerate(keys)}
+    out.update(loss=totals[0], grad_norm=float(grad_norm), num_loss_tokens=float(total_tokens))
     return out

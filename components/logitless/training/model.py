@@ -23,23 +23,31 @@ class CheckpointMismatchError(ValueError):
     """The weights on disk do not fit the model built from the config."""
 
 
-def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dtype,
+                seed: Optional[int] = None) -> nn.Module:
     """Instantiates ``model`` from config directly in ``dtype`` on ``device``.
 
     Args:
         model_cfg (DictConfig): ``_component_`` node of a model builder.
         device (torch.device): where the parameters live (``meta`` for FSDP2 deferred init).
         dtype (torch.dtype): parameter dtype.
+        seed (Optional[int]): seeds the random initialisation (the global RNG is restored after), so
+            that every data-parallel rank builds the same weights: torchtune seeds each rank with
+            ``seed + rank``, and FSDP2 keeps each rank's shard of ITS OWN initial weights.
 
     Returns:
         nn.Module: the model (randomly initialised).
 
     Example:
         >>> build_model(OmegaConf.create({"_component_": "logitless.models.qwen2_5_tiny"}),
-        ...             device=torch.device("cpu"), dtype=torch.float32)
+        ...             device=torch.device("cpu"), dtype=torch.float32, seed=0)
     """
-    with tt_training.set_default_dtype(dtype), device:
-        return tt_config.instantiate(model_cfg)
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with tt_training.set_default_dtype(dtype), device:
+            return tt_config.instantiate(model_cfg)
 
 
 def check_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,

@@ -10,21 +10,19 @@ optimizer / LR schedule -> data -> resume state -> train loop (TrainStep) -> che
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torchtune import config as tt_config
-from torchtune import modules as tt_modules
 from torchtune import training as tt_training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
+from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.data import batch_to_device, build_dataloader
+from logitless.training.distributed import FSDP_KEYS, Runtime
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.sft import SFTObjective
@@ -67,10 +65,6 @@ LORA_KEYS: Dict[str, Key] = {
     "merge_adapters": Key(bool, default=False,
                           doc="also save the base weights with the adapters merged (HF format)"),
 }
-DISTRIBUTED_KEYS: Dict[str, Key] = {
-    "fsdp_cpu_offload": Key(bool, default=False),
-    "fsdp_reshard_after_forward": Key(bool, default=True),
-}
 
 
 def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: bool = False) -> DictConfig:
@@ -94,7 +88,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
     if lora:
         schema.update(LORA_KEYS)
     if distributed:
-        schema.update(DISTRIBUTED_KEYS)
+        schema.update(FSDP_KEYS)
     init = cfg.get("model_init", "checkpoint")
     skip = ("checkpointer",) if init == "random" else ()
     validate_config(cfg, schema, skip_file_checks=skip)
@@ -133,24 +127,9 @@ class SFTRecipe:
     # ------------------------------------------------------------------ set-up
     def _setup_runtime(self) -> None:
         cfg = self.cfg
-        if self.distributed:
-            if not (dist.is_available() and dist.is_initialized()):
-                backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-                dist.init_process_group(backend=backend)
-            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        else:
-            self.world_size, self.rank = 1, 0
-        self.is_rank_zero = self.rank == 0
-        dev = cfg.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        if dev == "cuda":
-            # An explicit index: torch.cuda.set_device rejects a bare "cuda" (found on the GPU machine;
-            # the CPU-only CI never reaches this line).
-            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if self.distributed else f"cuda:{torch.cuda.current_device()}"
-        self.device = torch.device(dev)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
+        self.device, self.rank, self.world_size = self.runtime.device, self.runtime.rank, self.runtime.world_size
+        self.is_rank_zero = self.runtime.is_rank_zero
         self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
         self.seed = tt_training.set_seed(cfg.seed)
 
@@ -159,7 +138,7 @@ class SFTRecipe:
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
                                       cfg.output_dir, is_rank_zero=self.is_rank_zero,
                                       keep_last_n=cfg.keep_last_n_checkpoints)
-        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed)
         adapter_keys = [k for k in model.state_dict() if "lora_" in k or "magnitude" in k] if self.lora else None
         if cfg.model_init == "checkpoint" or (resume_dir is not None and not self.lora):
             sd = self.ckpt.load_model_state(resume_dir, base_only=self.lora)
@@ -179,14 +158,8 @@ class SFTRecipe:
         if cfg.compile:
             model_utils.compile_layers(model)
         if self.distributed:
-            tt_training.shard_model(
-                model, [lambda n, m: isinstance(m, tt_modules.TransformerSelfAttentionLayer)],
-                cpu_offload=cfg.fsdp_cpu_offload, reshard_after_forward=cfg.fsdp_reshard_after_forward)
-            # The loss projects the final hidden states with the head weight AFTER the model's forward
-            # (HeadInput). The root FSDP unit owns the embedding / tied head: keep it unsharded from its
-            # forward to its backward so that weight stays valid; its gradient is reduce-scattered at the
-            # end of backward as usual.
-            model.set_reshard_after_forward(False, recurse=False)
+            self.runtime.shard(model, cpu_offload=cfg.fsdp_cpu_offload,
+                               reshard_after_forward=cfg.fsdp_reshard_after_forward)
         self.model = model
 
     def _setup_optim(self, recipe_state: Optional[Dict[str, Any]]) -> None:
@@ -198,11 +171,7 @@ class SFTRecipe:
             kw = {} if "num_training_steps" in cfg.lr_scheduler else {"num_training_steps": self.total_steps}
             self.lr_scheduler = tt_config.instantiate(cfg.lr_scheduler, self.optimizer, **kw)
         if recipe_state is not None:
-            if self.distributed:
-                tt_training.load_from_full_optimizer_state_dict(
-                    self.model, self.optimizer, recipe_state["optimizer"], self.device)
-            else:
-                self.optimizer.load_state_dict(recipe_state["optimizer"])
+            self.runtime.load_optimizer_state_dict(self.model, self.optimizer, recipe_state["optimizer"])
             if self.lr_scheduler is not None and recipe_state.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
         self.train_step = TrainStep(self.model, self.optimizer, self.lr_scheduler,
@@ -233,26 +202,17 @@ class SFTRecipe:
 
     # ------------------------------------------------------------------ checkpoints
     def _recipe_state(self) -> Dict[str, Any]:
-        if self.distributed:
-            optim = tt_training.get_full_optimizer_state_dict(self.model, self.optimizer, self.is_rank_zero)
-            rngs: List[Any] = [None] * self.world_size
-            dist.all_gather_object(rngs, rng_state())
-        else:
-            optim, rngs = self.optimizer.state_dict(), [rng_state()]
         return {"step": self.step, "epoch": self.epoch, "micro_batches_in_epoch": self.mb_in_epoch,
-                "optimizer": optim,
+                "optimizer": self.runtime.optimizer_state_dict(self.model, self.optimizer),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "rng": rngs, "seed": self.seed, "world_size": self.world_size,
+                "rng": self.runtime.rng_states(), "seed": self.seed, "world_size": self.world_size,
                 "config": config_summary(self.cfg)}
 
     def save(self) -> None:
         """Saves a complete checkpoint of the current step (all ranks take part, rank 0 writes)."""
         cfg = self.cfg
         state = self._recipe_state()
-        if self.distributed:
-            full_sd = tt_training.gather_cpu_state_dict(self.model, self.is_rank_zero, device=self.device)
-        else:
-            full_sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        full_sd = self.runtime.full_state_dict(self.model)
         if self.is_rank_zero:
             if self.lora:
                 adapter, merged = model_utils.lora_states(full_sd, cfg.model, merge=cfg.merge_adapters)
@@ -260,8 +220,7 @@ class SFTRecipe:
                                adapter_state=adapter, adapter_config=model_utils.adapter_config(cfg.model))
             else:
                 self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=full_sd)
-        if self.distributed:
-            dist.barrier()
+        self.runtime.barrier()
 
     def _resume_dir(self):
         r = self.cfg.resume_from_checkpoint
@@ -288,8 +247,7 @@ class SFTRecipe:
         if recipe_state is not None:
             self.step, self.epoch = recipe_state["step"], recipe_state["epoch"]
             self.mb_in_epoch = recipe_state["micro_batches_in_epoch"]
-            rngs = recipe_state["rng"]
-            set_rng_state(rngs[self.rank] if len(rngs) == self.world_size else rngs[0])
+            set_rng_state(self.runtime.own_rng_state(recipe_state["rng"]))
         logger = build_metric_logger(cfg.metric_logger, cfg.output_dir, is_rank_zero=self.is_rank_zero)
         if self.is_rank_zero and recipe_state is None:
             logger.log_config(cfg)
@@ -310,9 +268,7 @@ class SFTRecipe:
             res = self.train_step(mbs, loss_fn=self.objective, count_fn=self.objective.count)
             self.step += 1
             self.losses.append(res.loss)
-            n_tok = torch.tensor(float(sum(mb["tokens"].numel() for mb in mbs)), device=self.device)
-            if self.distributed:
-                dist.all_reduce(n_tok)
+            n_tok = self.runtime.all_reduce(torch.tensor(float(sum(mb["tokens"].numel() for mb in mbs))))
             metrics = {"loss": res.loss, "lr": self.optimizer.param_groups[0]["lr"],
                        "num_tokens": res.num_units, **timer.lap(int(n_tok.item())),
                        **peak_memory_gib(self.device)}
@@ -330,8 +286,7 @@ class SFTRecipe:
             self.save()
         bar.close()
         logger.close()
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        self.runtime.shutdown()
         return self.losses
 
 
