@@ -76,7 +76,7 @@ def test_exact_resume(tmp_path, extra):
 
 def test_full_finetune_with_frozen_reference(tmp_path):
     recipe = GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "loss.beta=0.05", "save_final_checkpoint=False",
-                                 "optimizer.lr=1e-2"))
+                                 "optimizer.lr=1e-2", "num_iterations=1"))  # step 1's metrics: before any update
     hist = recipe.run()
     assert recipe.reference is not None and recipe.reference.model is not recipe.model
     assert not any(p.requires_grad for p in recipe.reference.model.parameters())
@@ -130,6 +130,8 @@ def test_prompt_sharing_matches_expanded_recipe_step(tmp_path):
     (["prompt_sharing=true", "micro_batch_size=2"],
      "config key 'micro_batch_size': 2 must be a multiple of num_generations=4"),
     (["prompt_sharing=sometimes"], "prompt_sharing"),
+    (["prompt_sharing_attention=dense"], "prompt_sharing_attention"),
+    (["prompt_sharing_attention=flex", "device=cpu"], "'prompt_sharing_attention': 'flex' needs a CUDA device"),
 ])
 def test_prompt_sharing_config_errors(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

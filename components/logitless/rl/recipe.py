@@ -38,7 +38,7 @@ from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
 from logitless.rl.sampling import prompt_generators
-from logitless.rl.shared_batch import PROMPT_SHARING, training_batch, use_prompt_sharing
+from logitless.rl.shared_batch import ATTENTION, PROMPT_SHARING, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
@@ -72,6 +72,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
     "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
                           doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G)"),
+    "prompt_sharing_attention": Key(str, default="sdpa", choices=ATTENTION,
+                                    doc="attention of the packed groups: sdpa (dense mask, any device) or "
+                                        "flex (FlexAttention block mask, CUDA; recompiles per packed length)"),
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
     "clip_grad_norm": Key((float, None), default=None),
@@ -141,6 +144,9 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                           f"${{generation.temperature}})")
     if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
+                          f"CUDA available: {torch.cuda.is_available()}); use 'sdpa'")
     sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
     try:
         build_sampler(sampler_options, torch.device("cpu"), sharded=distributed)
@@ -198,7 +204,8 @@ class GRPORecipe:
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
                                       cfg.output_dir, is_rank_zero=self.runtime.is_rank_zero,
                                       keep_last_n=cfg.keep_last_n_checkpoints)
-        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                                         embedding_std=model_utils.random_init_std(cfg.model_init))
         adapter_keys = [k for k in model.state_dict() if "lora_" in k] if self.is_lora else None
         if cfg.model_init == "checkpoint":
             model_utils.load_weights(model, self.ckpt.load_model_state(), allow_missing=adapter_keys,
@@ -316,7 +323,7 @@ class GRPORecipe:
         lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
         batch = training_batch(rollout, prompt_sharing=self.prompt_sharing, pad_id=self.pad_id,
-                               ignore_index=self.loss_fn.ignore_index)
+                               ignore_index=self.loss_fn.ignore_index, attention=cfg.prompt_sharing_attention)
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch,
                           advantages[share.start * group_size:share.stop * group_size].to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,

@@ -23,8 +23,13 @@ class CheckpointMismatchError(ValueError):
     """The weights on disk do not fit the model built from the config."""
 
 
+# HF's Qwen2/Llama initializer_range: torchtune's builders draw token embeddings from N(0, 1), which
+# through a tied head makes a random model's logits ~sqrt(H) wide (Qwen2.5-0.5B starts at loss ~780).
+RANDOM_INIT_EMBEDDING_STD = 0.02
+
+
 def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dtype,
-                seed: Optional[int] = None) -> nn.Module:
+                seed: Optional[int] = None, embedding_std: Optional[float] = None) -> nn.Module:
     """Instantiates ``model`` from config directly in ``dtype`` on ``device``.
 
     Args:
@@ -34,6 +39,8 @@ def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dty
         seed (Optional[int]): seeds the random initialisation (the global RNG is restored after), so
             that every data-parallel rank builds the same weights: torchtune seeds each rank with
             ``seed + rank``, and FSDP2 keeps each rank's shard of ITS OWN initial weights.
+        embedding_std (Optional[float]): re-draw the token embeddings from ``N(0, embedding_std)``
+            (for ``model_init: random``: :data:`RANDOM_INIT_EMBEDDING_STD`); None keeps torchtune's.
 
     Returns:
         nn.Module: the model (randomly initialised).
@@ -47,7 +54,18 @@ def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dty
         if seed is not None:
             torch.manual_seed(seed)
         with tt_training.set_default_dtype(dtype), device:
-            return tt_config.instantiate(model_cfg)
+            model = tt_config.instantiate(model_cfg)
+        embeddings = getattr(model, "tok_embeddings", None)
+        if embedding_std is not None and embeddings is not None:
+            with torch.no_grad():
+                embeddings.weight.normal_(0.0, embedding_std)
+        return model
+
+
+def random_init_std(model_init: str) -> Optional[float]:
+    """The embedding std for :func:`build_model`: HF's for ``model_init: random``, None when a
+    checkpoint overwrites the weights anyway."""
+    return RANDOM_INIT_EMBEDDING_STD if model_init == "random" else None
 
 
 def check_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,

@@ -138,7 +138,8 @@ class SFTRecipe:
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
                                       cfg.output_dir, is_rank_zero=self.is_rank_zero,
                                       keep_last_n=cfg.keep_last_n_checkpoints)
-        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed)
+        model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                                         embedding_std=model_utils.random_init_std(cfg.model_init))
         adapter_keys = [k for k in model.state_dict() if "lora_" in k or "magnitude" in k] if self.lora else None
         if cfg.model_init == "checkpoint" or (resume_dir is not None and not self.lora):
             sd = self.ckpt.load_model_state(resume_dir, base_only=self.lora)
