@@ -4,20 +4,25 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
 
 * modes: ``ce`` (cross-entropy mean, forward+backward), ``logp`` (per-token log-probs + entropy
   with random per-token upstream gradients, forward+backward), ``fwd`` (log-probs + entropy under
-  ``no_grad``, the old/reference pass of RL);
+  ``no_grad``, the old/reference pass of RL), ``obj`` (the GRPO policy loss, forward+backward of a
+  scalar: PPO-clipped ratio against fixed old log-probs with per-token advantages, minus 0.01 x
+  entropy, token mean; the terms are ``GRPOLoss.token_terms``);
 * impls: ``torch`` (plain: bf16 logits, fp32 loss), ``compile`` (``torch.compile`` of it),
   ``tt_chunked`` (torchtune's chunked-output CE: 8 logit chunks, fp32 upcast per chunk),
-  ``chunked`` / ``triton`` (``logitless`` ``impl=``), ``triton_fused`` (the one-pass 3-GEMM
-  cross-entropy forced at every size), ``liger`` (Liger-Kernel fused linear CE),
+  ``chunked`` / ``triton`` (``logitless`` ``impl=``; in ``obj``, ``linear_token_objective``:
+  gradients in the forward), ``triton_fused`` (the one-pass 3-GEMM path of cross-entropy and
+  ``obj`` forced at every size), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
+  objective in torch, forward + recomputing backward), ``liger`` (Liger-Kernel fused linear CE),
   ``cce`` (Cut Cross-Entropy). Liger and CCE have no entropy output: they run ``ce`` and ``fwd``
-  (log-probs only) and are marked n/a in ``logp``. A peer that is not installed is reported.
+  (log-probs only) and are marked n/a in ``logp`` and ``obj``. A peer that is not installed is
+  reported.
 
 Each row: median ms, ratio to one ``torch.matmul`` of (N x H) by (H x V) in bf16 measured in the
 same run (each rep times a GEMM then the step, back to back; the median of the per-rep ratios,
 since clocks drift by ~10% under sustained load), peak extra GiB (``max_memory_allocated`` minus
 what was allocated before the step; the gradients dh, dW are part of it), and
 ``||x - ref|| / ||ref||`` against a float64 reference of the same inputs for the loss (or log-probs
-and entropy), dh and dW.
+and entropy; the objective in ``obj``), dh and dW.
 
 Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
 SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--plot CSV PNG``.
@@ -45,9 +50,14 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "qwen05b": (16384, 896, 151936),
     "long": (32768, 3584, 152064),
 }
-IMPLS = ["torch", "compile", "tt_chunked", "chunked", "triton", "triton_fused", "liger", "cce"]
-MODES = ["ce", "logp", "fwd"]
+IMPLS = ["torch", "compile", "tt_chunked", "chunked", "triton", "triton_fused", "triton_unfused", "liger",
+         "cce"]
+MODES = ["ce", "logp", "fwd", "obj"]
 IGN = -100
+# The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
+# gradient), and the spread of log(pi / pi_old) (some ratios clipped on each side).
+CLIP_EPS, ENT_COEF, OLD_SPREAD = 0.2, 0.01, 0.2
+_GRPO = []  # the GRPOLoss whose token_terms are the objective (its import pulls torchtune: lazy)
 
 
 def _peer_versions():
@@ -99,40 +109,89 @@ def _tt_logp(h, w, y):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def build(impl, mode):
-    """Returns ``f(h, w, y) -> loss`` (ce) or ``(logp, ent_or_None)`` (logp, fwd), or a str why not."""
+def _grpo():
+    if not _GRPO:
+        from logitless.losses.grpo import GRPOLoss
+
+        _GRPO.append(GRPOLoss(epsilon=CLIP_EPS, entropy_coef=ENT_COEF))
+    return _GRPO[0]
+
+
+def grpo_terms(lp, ent, rows, y, adv, old):
+    """The obj mode's loss over ``rows``: sum of GRPO terms / valid tokens (DAPO), in lp's dtype."""
+    dt = lp.dtype
+    valid = y != IGN
+    wt = valid[rows].to(dt) / valid.sum().clamp(min=1).to(dt)
+    per_token, _, _ = _grpo().token_terms(lp, lp - old[rows].to(dt), ent, None, adv[rows].to(dt))
+    return (per_token * wt).sum()
+
+
+def grpo_inputs(h, w, y, gen):
+    """The obj mode's constants: per-token advantages and old log-probs (the current ones + noise)."""
     import logitless
 
+    adv = torch.randn(y.shape[0], device=h.device, generator=gen)
+    noise = torch.randn(y.shape[0], device=h.device, generator=gen)
+    with torch.no_grad():
+        logp, _ = logitless.linear_log_probs(h, w, y, return_entropy=False)
+    return adv, (logp.float() + OLD_SPREAD * noise) * (y != IGN)
+
+
+def _obj_of(logp_ent):
+    # The unfused objective: per-token (logp, ent) of every row, then the GRPO terms by autograd.
+    def f(h, w, y, adv, old):
+        logp, ent = logp_ent(h, w, y)
+        return grpo_terms(logp, ent, torch.arange(y.shape[0], device=y.device), y, adv, old)
+
+    return f
+
+
+def build(impl, mode):
+    """Returns ``f(h, w, y) -> loss`` (ce), ``(logp, ent_or_None)`` (logp, fwd),
+    ``f(h, w, y, adv, old) -> loss`` (obj), or a str why not."""
+    import logitless
+
+    if mode == "obj":
+        _grpo()  # constructed outside any torch.compile trace
     if impl in ("torch", "compile"):
-        f = _plain_ce if mode == "ce" else _plain_logp_ent
+        f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent)}.get(mode, _plain_logp_ent)
         return torch.compile(f) if impl == "compile" else f
     if impl == "tt_chunked":
+        if mode == "obj":
+            return "n/a: no fused objective"
         return _tt_ce if mode == "ce" else _tt_logp
     if impl == "triton_fused":
-        # The one-pass 3-GEMM cross-entropy forced at any size (the default switches to two
-        # passes when dW would be rounded in more than FUSED_MAX_CHUNKS row chunks).
-        if mode != "ce":
+        # The one-pass 3-GEMM path of cross-entropy / the objective forced at any size (the default
+        # switches to two passes when dW would be rounded in more than FUSED_MAX_CHUNKS row chunks).
+        if mode not in ("ce", "obj"):
             return "n/a: same as triton"
         from logitless.ops.triton import head
 
-        def fused(h, w, y):
+        def fused(h, w, y, *consts):
             saved, head.FUSED_MAX_CHUNKS = head.FUSED_MAX_CHUNKS, 1 << 30
             try:
-                return logitless.linear_cross_entropy(h, w, y, impl="triton")
+                return (_linear_obj(h, w, y, *consts, "triton") if mode == "obj"
+                        else logitless.linear_cross_entropy(h, w, y, impl="triton"))
             finally:
                 head.FUSED_MAX_CHUNKS = saved
 
         return fused
+    if impl == "triton_unfused":
+        if mode != "obj":
+            return "n/a: obj only"
+        return _obj_of(lambda h, w, y: logitless.linear_log_probs(h, w, y, impl="triton"))
     if impl in ("chunked", "triton"):
         if mode == "ce":
             return lambda h, w, y: logitless.linear_cross_entropy(h, w, y, impl=impl)
+        if mode == "obj":
+            return lambda h, w, y, adv, old: _linear_obj(h, w, y, adv, old, impl)
         return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl)
     if impl == "liger":
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as lfce
         except Exception as exc:
             return f"missing: {type(exc).__name__}: {exc}"[:120]
-        if mode == "logp":
+        if mode in ("logp", "obj"):
             return "n/a: no entropy output"
         if mode == "ce":
             return lambda h, w, y: lfce(h, w, y, ignore_index=IGN)
@@ -142,7 +201,7 @@ def build(impl, mode):
             from cut_cross_entropy import linear_cross_entropy as cce
         except Exception as exc:
             return f"missing: {type(exc).__name__}: {exc}"[:120]
-        if mode == "logp":
+        if mode in ("logp", "obj"):
             return "n/a: no entropy output"
         if mode == "ce":
             return lambda h, w, y: cce(h, w, y, ignore_index=IGN)
@@ -150,14 +209,24 @@ def build(impl, mode):
     raise ValueError(f"unknown impl {impl!r}")
 
 
+def _linear_obj(h, w, y, adv, old, impl):
+    from logitless.ops import linear_token_objective
+
+    objective = lambda lp, ent, rows: grpo_terms(lp, ent, rows, y, adv, old)  # noqa: E731
+    return linear_token_objective(h, w, y, objective, ignore_index=IGN, need_entropy=True, impl=impl)[0]
+
+
 def step(f, mode, h, w, y, g1, g2):
-    """One timed unit: forward (+ backward). Returns what the error check needs."""
+    """One timed unit: forward (+ backward). Returns what the error check needs.
+
+    ``g1``, ``g2``: upstream gradients of logp and ent (logp), advantages and old log-probs (obj).
+    """
     if mode == "fwd":
         with torch.no_grad():
             return f(h, w, y)
     h.grad = w.grad = None
-    out = f(h, w, y)
-    if mode == "ce":
+    out = f(h, w, y, g1, g2) if mode == "obj" else f(h, w, y)
+    if mode in ("ce", "obj"):
         out.backward()
         return out.detach()
     logp, ent = out
@@ -166,15 +235,18 @@ def step(f, mode, h, w, y, g1, g2):
 
 
 # ---------------------------------------------------------------- float64 reference (chunked)
-def reference64(h, w, y, g1, g2, rows=1024):
-    """float64 CE(mean) and logp/ent with their gradients, chunked over rows on the device."""
+def reference64(h, w, y, g1, g2, adv=None, old=None, rows=1024):
+    """float64 CE(mean), logp/ent and (given ``adv``, ``old``) the obj loss, with their gradients,
+    chunked over rows on the device."""
     h64, w64 = h.detach().double(), w.detach().double()
     n = h.shape[0]
     valid = y != IGN
     n_valid = valid.sum().clamp(min=1).double()
     logp = torch.zeros(n, dtype=torch.float64, device=h.device)
     ent = torch.zeros_like(logp)
-    grads = {k: (torch.zeros_like(h64), torch.zeros_like(w64)) for k in ("ce", "logp")}
+    obj = logp.new_zeros(())
+    keys = ("ce", "logp") + (("obj",) if adv is not None else ())
+    grads = {k: (torch.zeros_like(h64), torch.zeros_like(w64)) for k in keys}
     for s in range(0, n, rows):
         hc, yc, vc = h64[s:s + rows], y[s:s + rows], valid[s:s + rows]
         z = hc @ w64.t()
@@ -186,12 +258,21 @@ def reference64(h, w, y, g1, g2, rows=1024):
         logp[s:s + rows] = lp * vc
         ent[s:s + rows] = en * vc
         onehot = torch.zeros_like(z).scatter_(-1, safe[:, None], 1.0)
-        for key in ("ce", "logp"):
+        # Per-row upstreams (d/dlogp, d/dent): given (logp), or the objective's own (obj, a sum of
+        # per-token terms, so autograd on this chunk's rows gives them).
+        ups = {"logp": (g1[s:s + rows].double(), g2[s:s + rows].double())}
+        if adv is not None:
+            lp_, en_ = (t.detach().requires_grad_() for t in (logp[s:s + rows], ent[s:s + rows]))
+            with torch.enable_grad():
+                value = grpo_terms(lp_, en_, torch.arange(s, s + hc.shape[0], device=h.device), y, adv, old)
+                ups["obj"] = torch.autograd.grad(value, (lp_, en_))
+            obj += value.detach()
+        for key in keys:
             if key == "ce":
                 dz = (p - onehot) / n_valid
             else:
-                dz = g1[s:s + rows, None].double() * (onehot - p) - g2[s:s + rows, None].double() * p * (
-                    z - lse + en[:, None])
+                u1, u2 = ups[key]
+                dz = u1[:, None] * (onehot - p) - u2[:, None] * p * (z - lse + en[:, None])
             dz *= vc[:, None]
             grads[key][0][s:s + rows] = dz @ w64
             grads[key][1].addmm_(dz.t(), hc)
@@ -200,11 +281,29 @@ def reference64(h, w, y, g1, g2, rows=1024):
     loss = -(logp.sum() / n_valid)
     # Kept as fp32 (rounding 6e-8, far below any error measured) to leave memory to the peers.
     f32 = {k: tuple(t.float() for t in v) for k, v in grads.items()}
-    return {"ce": (loss, *f32["ce"]), "logp": (logp, ent, *f32["logp"])}
+    out = {"ce": (loss, *f32["ce"]), "logp": (logp, ent, *f32["logp"])}
+    if adv is not None:
+        out["obj"] = (obj, *f32["obj"])
+    return out
 
 
 def rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+
+def errors(mode, out, h, w, ref):
+    """``err_out``, ``err_dh``, ``err_dw`` of one step's output and gradients against ``ref``."""
+    if mode in ("ce", "obj"):
+        r_loss, r_dh, r_dw = ref[mode][:3]
+        return dict(err_out=rel(out, r_loss), err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
+    r_lp, r_ent, r_dh, r_dw = ref["logp"]
+    logp, ent = out
+    err = rel(logp, r_lp)
+    if ent is not None:
+        err = max(err, rel(ent, r_ent))
+    if mode == "fwd":
+        return dict(err_out=err)
+    return dict(err_out=err, err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
 
 
 # ---------------------------------------------------------------- timing
@@ -234,20 +333,8 @@ def measure(impl, mode, f, h, w, y, g1, g2, ref, reps, warmup):
     out = run()
     torch.cuda.synchronize()
     row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    if ref is _NO_REF:
-        pass
-    elif mode == "ce":
-        r_loss, r_dh, r_dw = ref["ce"][:3]
-        row.update(err_out=rel(out, r_loss), err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
-    else:
-        r_lp, r_ent, r_dh, r_dw = ref["logp"]
-        logp, ent = out
-        err = rel(logp, r_lp)
-        if ent is not None:
-            err = max(err, rel(ent, r_ent))
-        row["err_out"] = err
-        if mode == "logp":
-            row.update(err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
+    if ref is not _NO_REF:
+        row.update(errors(mode, out, h, w, ref))
     del out
     # Each rep times one GEMM then one step back to back; the ratio is the median of the per-rep
     # ratios, so both sides see the same clocks (they drift by 10% under sustained load).
@@ -379,7 +466,7 @@ def plot(csv_path, png_path):
         rows = [r for r in csv.DictReader(fh) if r["ms"]]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    targets = {"ce": 3.3, "logp": 4.4, "fwd": 1.1}
+    targets = {"ce": 3.3, "logp": 4.4, "fwd": 1.1, "obj": 3.3}
     fig, axes = plt.subplots(2, len(MODES), figsize=(5.2 * len(MODES), 7.5), squeeze=False)
     width = 0.8 / len(impls)
     for col, mode in enumerate(MODES):
@@ -433,6 +520,7 @@ def main(argv=None):
         sys.exit("bench_head.py needs a CUDA device")
     import triton
 
+    modes = args.modes.split(",")
     dev = torch.device("cuda")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, date=datetime.date.today().isoformat(),
@@ -451,11 +539,13 @@ def main(argv=None):
         y = torch.randint(0, v, (n,), device=dev, generator=gen)
         g1 = torch.randn(n, device=dev, generator=gen)
         g2 = torch.randn(n, device=dev, generator=gen)
-        ref = reference64(h, w, y, g1, g2)
+        adv, old = grpo_inputs(h, w, y, gen) if "obj" in modes else (None, None)
+        ref = reference64(h, w, y, g1, g2, adv, old)
         torch.cuda.empty_cache()
         gemm = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), max(args.reps, 10), 3)
         print(f"## {shape} N={n} H={hd} V={v}: one GEMM = {gemm:.2f} ms", flush=True)
-        for mode in args.modes.split(","):
+        for mode in modes:
+            ups = (adv, old) if mode == "obj" else (g1, g2)
             for impl in args.impls.split(","):
                 base = dict(shape=shape, N=n, H=hd, V=v, mode=mode, impl=impl, gemm_ms=round(gemm, 3), **meta)
                 if impl == "compile" and shape not in args.compile_shapes.split(","):
@@ -464,18 +554,18 @@ def main(argv=None):
                 f = build(impl, mode)
                 if isinstance(f, str):
                     rows.append(dict(base, note=f))
-                    print(f"{shape:8s} {mode:4s} {impl:10s} {f}", flush=True)
+                    print(f"{shape:8s} {mode:4s} {impl:14s} {f}", flush=True)
                     continue
                 try:
-                    r = measure(impl, mode, f, h, w, y, g1, g2, ref, args.reps, args.warmup)
+                    r = measure(impl, mode, f, h, w, y, *ups, ref, args.reps, args.warmup)
                     rows.append(dict(base, **r, note=""))
-                    print(f"{shape:8s} {mode:4s} {impl:10s} {r['ms']:8.2f} ms {r['gemms']:5.2f} GEMMs "
+                    print(f"{shape:8s} {mode:4s} {impl:14s} {r['ms']:8.2f} ms {r['gemms']:5.2f} GEMMs "
                           f"{r['peak_extra_gib']:6.2f} GiB err {r.get('err_out', float('nan')):.2e} "
                           f"{r.get('err_dh', float('nan')):.2e} {r.get('err_dw', float('nan')):.2e}",
                           flush=True)
                 except torch.cuda.OutOfMemoryError:
                     rows.append(dict(base, note="OOM"))
-                    print(f"{shape:8s} {mode:4s} {impl:10s} OOM", flush=True)
+                    print(f"{shape:8s} {mode:4s} {impl:14s} OOM", flush=True)
                 except Exception as exc:
                     traceback.print_exc()
                     rows.append(dict(base, note=f"error: {type(exc).__name__}: {exc}"[:160]))
@@ -483,16 +573,16 @@ def main(argv=None):
                 del f
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
-        h = w = y = g1 = g2 = ref = None
+        h = w = y = g1 = g2 = adv = old = ups = ref = None
         torch.cuda.empty_cache()
-    print("\nshape    mode impl          ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
+    print("\nshape    mode impl              ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
     for r in rows:
         if "ms" in r:
-            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:10s} {r['ms']:7.1f} {r['gemms']:5.2f} "
+            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:14s} {r['ms']:7.1f} {r['gemms']:5.2f} "
                   f"{r['peak_extra_gib']:5.2f} {r.get('err_out', float('nan')):.1e} "
                   f"{r.get('err_dh', float('nan')):.1e} {r.get('err_dw', float('nan')):.1e}")
         else:
-            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:10s} {r['note']}")
+            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:14s} {r['note']}")
 
 
 if __name__ == "__main__":

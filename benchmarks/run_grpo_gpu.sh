@@ -42,7 +42,7 @@ step)
 grid)
     bench 560 --update-only --models ${GRID_MODELS:-0.5b,1.5b,7b} --G 8,16 --prompt-len 256,1024 --completion-len 512,2048 \
         --micro-batch-size G --steps 1 --impls no_head,full_logits,chunked,triton,triton+prompt_once \
-        --out "$out/grpo_update_grid_${GRID_MODELS:-all}.csv" ;;
+        --out "$out/grpo_update_grid_$(echo ${GRID_MODELS:-all} | tr , _).csv" ;;
 limits)
     bench 200 --update-only --models 0.5b --G 16 --prompt-len 1024 --completion-len 512 \
         --micro-batch-size G --steps 1 --impls chunked,triton,triton+prompt_once --search-limits \

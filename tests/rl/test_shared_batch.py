@@ -13,7 +13,8 @@ from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
 from logitless.rl.generation import generate
 from logitless.rl.reference import ReferencePolicy
-from logitless.rl.shared_batch import shared_batch, training_batch, use_prompt_sharing
+from logitless.rl.shared_batch import (AUTO_MAX_PACKED_SDPA, auto_packs, packed_length, shared_batch,
+                                       training_batch, use_prompt_sharing)
 from logitless.rl.update import batch_log_probs, grpo_update
 
 G = 4
@@ -183,6 +184,19 @@ def test_use_prompt_sharing():
         use_prompt_sharing(True, micro_batch_size=6, num_generations=4)
     with pytest.raises(ValueError, match="config key 'prompt_sharing'"):
         use_prompt_sharing("yes", micro_batch_size=8, num_generations=4)
+
+
+def test_packed_length_and_auto_decision(setup):
+    """The packed length is what SharedGroupBatch.pack builds; auto packs only what fits and pays."""
+    _, rollout = setup
+    length = packed_length(rollout)
+    assert length == shared_batch(rollout).pack().tokens.shape[1] == max(map(len, PROMPTS)) + G * 5
+    assert auto_packs(length, attention="sdpa", max_seq_len=None)
+    assert not auto_packs(length, attention="sdpa", max_seq_len=length - 1)  # beyond the positions
+    long = AUTO_MAX_PACKED_SDPA + 1
+    assert not auto_packs(long, attention="sdpa", max_seq_len=None)  # dense mask: quadratic
+    assert auto_packs(long, attention="flex", max_seq_len=None) and not auto_packs(long, attention="flex",
+                                                                                     max_seq_len=long - 1)
 
 
 def test_flex_block_mask_equals_the_dense_mask(setup):

@@ -38,7 +38,8 @@ from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
 from logitless.rl.sampling import prompt_generators
-from logitless.rl.shared_batch import ATTENTION, PROMPT_SHARING, training_batch, use_prompt_sharing
+from logitless.rl.shared_batch import (ATTENTION, PROMPT_SHARING, auto_packs, packed_length, training_batch,
+                                       use_prompt_sharing)
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
@@ -71,7 +72,8 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "micro_batch_size": Key(int, min=1, doc="completions per forward/backward"),
     "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
     "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
-                          doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G)"),
+                          doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G "
+                              "and the packed group is short enough to pay, decided per step)"),
     "prompt_sharing_attention": Key(str, default="sdpa", choices=ATTENTION,
                                     doc="attention of the packed groups: sdpa (dense mask, any device) or "
                                         "flex (FlexAttention block mask, CUDA; recompiles per packed length)"),
@@ -322,7 +324,8 @@ class GRPORecipe:
         batch_values = self._gather({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated})
         lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
-        batch = training_batch(rollout, prompt_sharing=self.prompt_sharing, pad_id=self.pad_id,
+        shared = self._share_prompts(rollout)
+        batch = training_batch(rollout, prompt_sharing=shared, pad_id=self.pad_id,
                                ignore_index=self.loss_fn.ignore_index, attention=cfg.prompt_sharing_attention)
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch,
                           advantages[share.start * group_size:share.stop * group_size].to(self.device),
@@ -338,11 +341,22 @@ class GRPORecipe:
             float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()), dtype=torch.float64)))
         metrics = rollout_metrics(batch_values, lengths, truncated.bool())
         metrics.update(upd)
+        metrics.update({"prompt_sharing": float(shared)})
         metrics.update({
             "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
             "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
             "tokens_per_second": n_tokens / (t_end - t0), **self._peak_memory()})
         return metrics
+
+    def _share_prompts(self, rollout) -> bool:
+        """Whether this step's update packs each group's prompt once (``prompt_sharing: auto`` decides
+        per step from the longest packed group over all ranks, so that every rank runs the same path)."""
+        if not self.prompt_sharing or self.cfg.prompt_sharing != "auto":
+            return self.prompt_sharing
+        length = int(self.runtime.all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
+        inner = getattr(self.model, "_orig_mod", self.model)
+        return auto_packs(length, attention=self.cfg.prompt_sharing_attention,
+                          max_seq_len=getattr(inner, "max_seq_len", None))
 
     def save(self, step: int) -> None:
         """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG); all ranks take

@@ -10,7 +10,7 @@ head of the expanded batch), so :func:`logitless.rl.update.grpo_update` and ``GR
 """
 
 from dataclasses import dataclass
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -193,18 +193,59 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
 
 
 PROMPT_SHARING = (True, False, "auto")
+#: The longest packed group that ``prompt_sharing: auto`` runs through the dense-mask SDPA path. The
+#: mask makes that attention quadratic in the packed length (the scores of every completion against
+#: every other one are computed, then masked), which outgrows what packing saves in the linear
+#: layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt, update time packed vs expanded: 9216 packed
+#: tokens 0.26 vs 0.28 s, 17408 tokens 0.72 vs 0.38 s (``benchmarks/results/prompt_sharing_scaling_h200.csv``).
+AUTO_MAX_PACKED_SDPA = 12288
+
+
+def packed_length(rollout: Rollout) -> int:
+    """Tokens of the longest packed group of ``rollout``: its longest prompt + G x completion length.
+
+    Example:
+        >>> packed_length(rollout)  # doctest: +SKIP
+        9216
+    """
+    return int(rollout.prompt_mask.sum(1).max()) + rollout.num_generations * rollout.completion_tokens.shape[1]
+
+
+def auto_packs(length: int, *, attention: str, max_seq_len: Optional[int]) -> bool:
+    """``prompt_sharing: auto``, per step: pack groups of ``length`` tokens or run them expanded.
+
+    Packed groups must fit the model's ``max_seq_len`` (its position embeddings); with the
+    dense-mask SDPA path they must also stay within :data:`AUTO_MAX_PACKED_SDPA`. FlexAttention
+    skips the masked blocks, so its cost stays linear in the group.
+
+    Args:
+        length (int): :func:`packed_length` (the largest over data-parallel ranks).
+        attention (str): ``"sdpa"`` or ``"flex"``.
+        max_seq_len (Optional[int]): the model's limit (None: none).
+
+    Returns:
+        bool: True to pack this step's groups.
+
+    Example:
+        >>> auto_packs(9216, attention="sdpa", max_seq_len=32768), auto_packs(17408, attention="sdpa", max_seq_len=32768)
+        (True, False)
+    """
+    if max_seq_len is not None and length > max_seq_len:
+        return False
+    return attention == "flex" or length <= AUTO_MAX_PACKED_SDPA
 
 
 def use_prompt_sharing(setting, *, micro_batch_size: int, num_generations: int) -> bool:
     """Resolves the ``prompt_sharing`` setting of a GRPO config.
 
     Args:
-        setting: True, False or ``"auto"`` (on when ``micro_batch_size`` is a multiple of G).
+        setting: True, False or ``"auto"`` (possible when ``micro_batch_size`` is a multiple of G;
+            each step then decides with :func:`auto_packs`).
         micro_batch_size (int): completions per forward/backward.
         num_generations (int): G.
 
     Returns:
-        bool: whether the update packs each group's prompt once.
+        bool: whether the update may pack each group's prompt once.
 
     Raises:
         ValueError: an unknown setting, or ``True`` with a micro-batch that is not whole groups

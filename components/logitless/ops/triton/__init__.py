@@ -87,11 +87,11 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     t = float(temperature)
-    if reduction == "none":
-        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t)[0]
-        return -logp
     need_dh = hidden2d.requires_grad and torch.is_grad_enabled()
     need_dw = weight.requires_grad and torch.is_grad_enabled()
+    if reduction == "none":
+        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw)[0]
+        return -logp
     if need_dh or need_dw:
         return torch.ops.logitless.triton_ce_fused(h, w, y, ignore_index, t, reduction == "mean",
                                                    need_dh, need_dw)[0]
@@ -125,5 +125,7 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
     """
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
-    logp, ent, _ = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, float(temperature))
+    for_backward = torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad)
+    logp, ent, _ = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, float(temperature),
+                                                       for_backward)
     return logp, (ent if return_entropy else None)

@@ -3,7 +3,8 @@
 Ignored rows are dropped first (``valid_rows``; one device->host sync for their count). Three
 paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
 
-* forward only (``head_forward``, the no-grad pass and the forward of ``linear_log_probs``):
+* forward only (``head_forward``, the no-grad pass and the forward of ``linear_log_probs``;
+  ``F`` bytes of tiles without gradients, ``B`` when a backward follows):
   (row block x V slab) tiles of logits, ``row_stats_kernel`` per tile and ``merge_slab_kernel``
   folding it into a running per-row (max, sum, entropy) state. One GEMM in total.
 * recompute backward (``head_backward``, any per-token upstream): for each row block, V slabs of
@@ -207,10 +208,14 @@ def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[in
     return block_rows, cols
 
 
-def head_forward(hidden, weight, labels, ignore_index: int, temperature: float):
+def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
+                 for_backward: bool = False):
     """Per-token log-prob, entropy and LSE (fp32 ``(N,)`` each, 0 at ignored rows but ``lse``).
 
-    Walks (row block x V slab) tiles of at most ``FORWARD_WORKSPACE_BYTES`` of logits.
+    Walks (row block x V slab) tiles of logits: at most ``FORWARD_WORKSPACE_BYTES`` of them for a
+    forward-only call, ``WORKSPACE_BYTES`` when a backward will follow (whose own buffers are that
+    large anyway, so the peak does not move; larger GEMM tiles are faster: 1.13 vs 1.16 GEMMs at
+    the 7B head, 1.41 vs 1.50 at the 0.5B head, H200, ``benchmarks/sweep_forward_workspace.py``).
 
     Args:
         hidden (torch.Tensor): ``(N, H)`` contiguous.
@@ -218,21 +223,22 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float):
         labels (torch.Tensor): ``(N,)`` int64.
         ignore_index (int): ignored label.
         temperature (float): logits are divided by it.
+        for_backward (bool): a backward will follow (the training workspace may be used).
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``logp, ent, lse``.
     """
     return _forward(hidden, weight, labels, valid_rows(labels, ignore_index), ignore_index,
-                    1.0 / temperature)
+                    1.0 / temperature, WORKSPACE_BYTES if for_backward else FORWARD_WORKSPACE_BYTES)
 
 
-def _forward(hidden, weight, labels, idx, ignore_index, inv_t):
+def _forward(hidden, weight, labels, idx, ignore_index, inv_t, budget):
     n, vocab = hidden.shape[0], weight.shape[0]
     logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
     rows = n if idx is None else idx.numel()
     if rows == 0:
         return logp, ent, lse
-    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), FORWARD_WORKSPACE_BYTES)
+    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), budget)
     buf = hidden.new_empty((block_rows * cols,))
     state = hidden.new_empty((rows, 3), dtype=torch.float32)
     z_y = hidden.new_zeros((rows,), dtype=torch.float32)
@@ -417,7 +423,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
         # row block of thousands of rows.
-        logp, _, lse = _forward(hidden, weight, labels, idx, ignore_index, inv_t)
+        logp, _, lse = _forward(hidden, weight, labels, idx, ignore_index, inv_t, WORKSPACE_BYTES)
         dh, dw = _slab_backward(hidden, weight, labels, idx, lse, None, None, None, coef, inv_t,
                                 ignore_index, need_dh, need_dw)
         return -(logp.sum() * coef), dh, dw

@@ -24,13 +24,13 @@ from logitless.ops.triton import head
 
 @torch.library.custom_op("logitless::triton_head_fwd", mutates_args=())
 def head_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-             temperature: float) -> Tuple[Tensor, Tensor, Tensor]:
+             temperature: float, for_backward: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns fp32 ``(logp, ent, lse)`` of shape ``(N,)``; see :func:`head.head_forward`."""
-    return head.head_forward(hidden, weight, labels, ignore_index, temperature)
+    return head.head_forward(hidden, weight, labels, ignore_index, temperature, for_backward)
 
 
 @head_fwd.register_fake
-def _(hidden, weight, labels, ignore_index, temperature):
+def _(hidden, weight, labels, ignore_index, temperature, for_backward=False):
     n = hidden.shape[0]
     return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
 
@@ -56,7 +56,7 @@ def _upstream(g: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _head_setup(ctx, inputs, output):
-    hidden, weight, labels, ignore_index, temperature = inputs
+    hidden, weight, labels, ignore_index, temperature = inputs[:5]
     _, ent, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
@@ -68,10 +68,10 @@ def _head_backward(ctx, g_logp, g_ent, g_lse):
     hidden, weight, labels, lse, ent = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if (g_logp is None and g_ent is None) or not (need_dh or need_dw):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     dh, dw = head_bwd(hidden, weight, labels, lse, ent, _upstream(g_logp), _upstream(g_ent),
                       ctx.ignore_index, ctx.temperature, need_dh, need_dw)
-    return (dh if need_dh else None), (dw if need_dw else None), None, None, None
+    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None
 
 
 head_fwd.register_autograd(_head_backward, setup_context=_head_setup)

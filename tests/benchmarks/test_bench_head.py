@@ -1,0 +1,105 @@
+"""bench_head.py's builders agree with its float64 reference (CPU, fp32, tiny head; the GPU run
+only times them)."""
+
+import importlib.util
+import os
+import pathlib
+
+import pytest
+import torch
+
+PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_head.py"
+N, H, V = 37, 16, 101
+TOL = 1e-4
+# Without CUDA, tests/conftest.py runs the Triton kernels in the interpreter.
+HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_head", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def case(bench):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=gen).requires_grad_(True)
+    w = (torch.randn(V, H, generator=gen) * (2.0 / H**0.5)).requires_grad_(True)
+    y = torch.randint(0, V, (N,), generator=gen)
+    y[torch.rand(N, generator=gen) < 0.25] = bench.IGN
+    g1, g2 = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    adv, old = bench.grpo_inputs(h, w, y, gen)
+    # rows=16: several reference chunks, the last one partial
+    ref = bench.reference64(h, w, y, g1, g2, adv, old, rows=16)
+    return h, w, y, g1, g2, adv, old, ref
+
+
+def _check(bench, case, impl, mode):
+    h, w, y, g1, g2, adv, old, ref = case
+    f = bench.build(impl, mode)
+    ups = (adv, old) if mode == "obj" else (g1, g2)
+    out = bench.step(f, mode, h, w, y, *ups)
+    errs = bench.errors(mode, out, h, w, ref)
+    h.grad = w.grad = None
+    assert set(errs) == {"err_out", "err_dh", "err_dw"}
+    assert max(errs.values()) < TOL, errs
+
+
+def test_obj_inputs_clip_on_both_sides(bench, case):
+    # The objective must exercise both branches of the PPO min, on both signs of the advantage.
+    h, w, y, _, _, adv, old, ref = case
+    valid = y != bench.IGN
+    log_ratio = (ref["logp"][0].float() - old)[valid]
+    clipped = (log_ratio.exp() - 1).abs() > bench.CLIP_EPS
+    assert 0 < clipped.sum() < valid.sum() and (adv[valid] > 0).any() and (adv[valid] < 0).any()
+    assert (old[~valid] == 0).all() and (~valid).any()
+
+
+def test_reference_obj_matches_float64_autograd(bench, case):
+    # The reference's hand-written logits gradient against plain float64 autograd of the same loss.
+    h, w, y, _, _, adv, old, ref = case
+    h64, w64 = (t.detach().double().requires_grad_(True) for t in (h, w))
+    logz = (h64 @ w64.t()).log_softmax(-1)
+    valid = y != bench.IGN
+    logp = logz.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1) * valid
+    ent = -(logz.exp() * logz).sum(-1) * valid
+    loss = bench.grpo_terms(logp, ent, torch.arange(N), y, adv, old)
+    loss.backward()
+    r_loss, r_dh, r_dw = ref["obj"]
+    assert torch.allclose(r_loss, loss, rtol=1e-12)
+    assert bench.rel(r_dh, h64.grad) < 1e-6 and bench.rel(r_dw, w64.grad) < 1e-6  # ref kept as fp32
+
+
+@pytest.mark.parametrize("mode", ["ce", "logp", "obj"])
+@pytest.mark.parametrize("impl", ["torch", "chunked"])
+def test_torch_and_chunked_match_reference(bench, case, impl, mode):
+    _check(bench, case, impl, mode)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("impl, max_chunks, workspace", [
+    ("triton", None, None),          # one chunk: the one-pass fused path
+    ("triton", 0, None),             # FUSED_MAX_CHUNKS exceeded: forward + recompute fallback
+    ("triton_fused", None, 3232),    # 8-row chunks forced through the one-pass path
+    ("triton_unfused", None, None),  # linear_log_probs + the objective in torch
+])
+def test_triton_obj_matches_reference(bench, case, monkeypatch, impl, max_chunks, workspace):
+    from logitless.ops.triton import head
+
+    if max_chunks is not None:
+        monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", max_chunks)
+    if workspace is not None:
+        monkeypatch.setattr(head, "WORKSPACE_BYTES", workspace)
+    _check(bench, case, impl, "obj")
+
+
+@pytest.mark.parametrize("impl", ["tt_chunked", "liger", "cce"])
+def test_obj_is_na_for_peers(bench, impl):
+    assert isinstance(bench.build(impl, "obj"), str)
+
+
+def test_unfused_is_obj_only(bench):
+    assert all(isinstance(bench.build("triton_unfused", m), str) for m in ("ce", "logp", "fwd"))
