@@ -1,6 +1,6 @@
 """Plots of the SFT and GRPO benchmark CSVs for docs/ (the head benchmark plots itself: bench_head.py --plot).
 
-    python benchmarks/plot_results.py                       # docs/img/sft_h200.png, docs/img/grpo_h200.png
+    python benchmarks/plot_results.py       # docs/img/sft_h200.png, grpo_h200.png, grpo_grid_h200.png
     python benchmarks/plot_results.py --sft benchmarks/results/sft_h200.csv --grpo benchmarks/results/grpo_step_h200.csv
 """
 
@@ -67,11 +67,34 @@ def plot_grpo(csv_path, png_path, plt, trl_csv=None):
     fig.savefig(png_path, dpi=110)
 
 
+GRID_IMPLS = ["full_logits", "chunked", "triton", "triton+prompt_once"]
+
+
+def plot_grid(csv_path, png_path, plt):
+    """The update-only grid: time and peak per (model, G, prompt, completion) and path."""
+    rows = _rows(csv_path)
+    label = lambda r: f"{r['model']} G{r['G']}\n{r['prompt_len']}+{r['completion_len']}"  # noqa: E731
+    groups = list(dict.fromkeys(label(r) for r in rows))
+    key = {(label(r), r["impl"]): r for r in rows if r["impl"] in GRID_IMPLS}
+    fig, axes = plt.subplots(2, 1, figsize=(17, 7.5))
+    _bars(axes[0], groups, GRID_IMPLS, {k: float(r["update_s"]) for k, r in key.items()}, "s",
+          "GRPO update, one group per micro-batch (missing bar: packed group over max_seq_len)")
+    _bars(axes[1], groups, GRID_IMPLS, {k: float(r["update_peak_gib"]) for k, r in key.items()}, "GiB",
+          "GRPO update peak (weights + AdamW included)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft", default=str(ROOT / "benchmarks/results/sft_h200.csv"))
     p.add_argument("--grpo", default=str(ROOT / "benchmarks/results/grpo_step_h200.csv"))
     p.add_argument("--trl", default=str(ROOT / "benchmarks/results/trl_grpo_h200.csv"))
+    p.add_argument("--grid", default=str(ROOT / "benchmarks/results/grpo_update_grid_h200.csv"))
     p.add_argument("--out-dir", default=str(ROOT / "docs/img"))
     a = p.parse_args(argv)
     import matplotlib
@@ -83,7 +106,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     plot_sft(a.sft, out / "sft_h200.png", plt)
     plot_grpo(a.grpo, out / "grpo_h200.png", plt, a.trl)
-    print(f"wrote {out / 'sft_h200.png'} and {out / 'grpo_h200.png'}")
+    plot_grid(a.grid, out / "grpo_grid_h200.png", plt)
+    print(f"wrote sft_h200.png, grpo_h200.png and grpo_grid_h200.png in {out}")
 
 
 if __name__ == "__main__":
