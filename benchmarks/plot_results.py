@@ -67,7 +67,7 @@ def plot_grpo(csv_path, png_path, plt, trl_csv=None):
     fig.savefig(png_path, dpi=110)
 
 
-GRID_IMPLS = ["full_logits", "chunked", "triton", "triton+prompt_once"]
+GRID_IMPLS = ["full_logits", "chunked", "triton", "triton+prompt_once", "triton+prompt_once_flex"]
 
 
 def plot_grid(csv_path, png_path, plt):

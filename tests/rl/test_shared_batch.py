@@ -213,9 +213,31 @@ def test_flex_block_mask_equals_the_dense_mask(setup):
     q, k, v = (torch.randn(b, 2, s, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
-        got = flex_attention(q, k, v, block_mask=flex_block_mask(packed.mask, block_size=16))
+        got = flex_attention(q, k, v, block_mask=flex_block_mask(packed, G, block_size=16))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask[:, None])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the flex path packs without the dense mask; everything else is the same
+    lean = shared_batch(rollout, attention="flex").pack()
+    assert lean.mask is None
+    for name in ("tokens", "input_pos", "predict_rows", "targets", "segments"):
+        torch.testing.assert_close(getattr(lean, name), getattr(packed, name), msg=name)
+
+
+def test_padded_packing_gives_the_same_rows(setup):
+    """The flex path pads packed groups to a length multiple: padding rows change nothing."""
+    from logitless.modules import gather_predicting_rows
+    from logitless.rl.batch import policy_forward
+
+    base, rollout = setup
+    model = copy.deepcopy(base)
+    GRPOLoss().set_model_output(model)
+    groups = shared_batch(rollout)
+    tight, padded = groups.pack(), groups.pack(seq_len=groups.packed_length() + 37)
+    assert padded.tokens.shape[1] == tight.tokens.shape[1] + 37
+    with torch.no_grad():
+        want = gather_predicting_rows(policy_forward(model, tight), tight).hidden
+        got = gather_predicting_rows(policy_forward(model, padded), padded).hidden
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_flex_attention_needs_cuda(setup):

@@ -22,17 +22,43 @@ class SharedPromptBatch(NamedTuple):
         tokens (torch.Tensor): ``[B, S]`` packed token ids (``pad_id`` after the last completion).
         input_pos (torch.Tensor): ``[B, S]`` positions: ``0..Lp-1`` on the prompt, ``Lp..`` again on
             every completion.
-        mask (torch.Tensor): ``[B, S, S]`` bool, True where row i may attend to column j.
+        mask (Optional[torch.Tensor]): ``[B, S, S]`` bool, True where row i may attend to column j
+            (None when built with ``dense_mask=False``).
         predict_rows (torch.Tensor): ``[B, G, Lc]`` row of ``tokens`` whose output predicts each
             completion token.
         targets (torch.Tensor): ``[B, G, Lc]`` completion tokens, ``ignore_index`` at padding.
+        segments (torch.Tensor): ``[B, S]`` int64 segment of every position: -1 prompt, ``0..G-1``
+            completion j, G padding; the mask is a function of it (:func:`segment_mask`).
     """
 
     tokens: torch.Tensor
     input_pos: torch.Tensor
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
     predict_rows: torch.Tensor
     targets: torch.Tensor
+    segments: Optional[torch.Tensor] = None
+
+
+def segment_mask(segments: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, num_generations: int,
+                 batch=slice(None)) -> torch.Tensor:
+    """Whether position ``q_idx`` may attend to ``kv_idx`` in a packed group (broadcasting indices).
+
+    Causal, and a query sees the prompt and its own completion only; padding rows see themselves
+    only (no empty softmax row). The dense mask of :func:`pack_groups` and the FlexAttention
+    ``mask_mod`` of the flex path are both this function.
+
+    Args:
+        segments (torch.Tensor): ``[B, S]`` segment ids (:attr:`SharedPromptBatch.segments`).
+        q_idx, kv_idx (torch.Tensor): query and key positions.
+        num_generations (int): G (the padding segment's id).
+        batch: batch index (or slice) into ``segments``.
+
+    Returns:
+        torch.Tensor: bool, the broadcast shape of the indices.
+    """
+    sq, skv = segments[batch, q_idx], segments[batch, kv_idx]
+    sees = (skv == -1) | ((sq == skv) & (sq < num_generations))
+    return ((kv_idx <= q_idx) & sees) | ((q_idx == kv_idx) & (sq == num_generations))
 
 
 def pack_groups(
@@ -43,6 +69,7 @@ def pack_groups(
     pad_id: int = 0,
     ignore_index: int = -100,
     seq_len: Optional[int] = None,
+    dense_mask: bool = True,
 ) -> SharedPromptBatch:
     """Packs each group's prompt once, followed by its G completions.
 
@@ -54,6 +81,8 @@ def pack_groups(
         pad_id (int): token id written at padding positions.
         ignore_index (int): target value at padded completion positions.
         seq_len (Optional[int]): packed length; default ``max(Lp) + G * Lc``.
+        dense_mask (bool): build the ``[B, S, S]`` mask (SDPA); False leaves it None, for the flex
+            path, which builds its block mask from ``segments`` without any ``S x S`` tensor.
 
     Returns:
         SharedPromptBatch: tokens, positions, attention mask and the rows that predict each token.
@@ -97,14 +126,13 @@ def pack_groups(
             segment[i, start : start + lc] = j
             # token k of completion j is predicted by the row before it; k = 0 by the prompt's last row
             predict_rows[i, j] = torch.where(ar == 0, lp - 1, start + ar - 1)
-    row_seg, col_seg = segment.unsqueeze(2), segment.unsqueeze(1)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    sees = (col_seg == -1) | ((row_seg == col_seg) & (row_seg < g))
-    mask = causal & sees
-    # Padding rows attend to themselves only, so that no softmax row is empty (NaN).
-    mask |= torch.eye(seq_len, dtype=torch.bool, device=device) & (row_seg == g)
+    mask = None
+    if dense_mask:
+        pos = torch.arange(seq_len, device=device)
+        mask = segment_mask(segment, pos[None, :, None], pos[None, None, :], g,
+                            batch=torch.arange(b, device=device)[:, None, None])
     targets = torch.where(completion_mask, completions, torch.full_like(completions, ignore_index))
-    return SharedPromptBatch(tokens, input_pos, mask, predict_rows, targets)
+    return SharedPromptBatch(tokens, input_pos, mask, predict_rows, targets, segment)
 
 
 def gather_predicting_rows(head: HeadInput, batch: SharedPromptBatch) -> HeadInput:
