@@ -1,14 +1,11 @@
 """bench_head.py's builders agree with its float64 reference (CPU, fp32, tiny head; the GPU run
 only times them)."""
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_head.py"
 N, H, V = 37, 16, 101
 TOL = 1e-4
 # Without CUDA, tests/conftest.py runs the Triton kernels in the interpreter.
@@ -16,11 +13,8 @@ HAS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == 
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_head", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("bench_head")
 
 
 @pytest.fixture(scope="module")

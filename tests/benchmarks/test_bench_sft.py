@@ -1,21 +1,14 @@
 """bench_sft.py measures every variant on the tiny model (CPU smoke test of the GPU benchmark)."""
 
-import importlib.util
 import math
-import pathlib
 from types import SimpleNamespace
 
 import pytest
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sft.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_sft", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_benchmark):
+    return load_benchmark("bench_sft")
 
 
 @pytest.mark.parametrize("variant", ["no_head", "torchtune_chunked", "torchtune_plain", "logitless_chunked",

@@ -13,8 +13,8 @@ from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
 from logitless.rl.generation import generate
 from logitless.rl.reference import ReferencePolicy
-from logitless.rl.shared_batch import (AUTO_MAX_PACKED_SDPA, auto_packs, packed_length, shared_batch,
-                                       training_batch, use_prompt_sharing)
+from logitless.rl.shared_batch import (AUTO_MAX_PACKED_SDPA, flex_available, packed_length, packing_attention,
+                                       shared_batch, training_batch, use_prompt_sharing)
 from logitless.rl.update import batch_log_probs, grpo_update
 
 G = 4
@@ -191,12 +191,21 @@ def test_packed_length_and_auto_decision(setup):
     _, rollout = setup
     length = packed_length(rollout)
     assert length == shared_batch(rollout).pack().tokens.shape[1] == max(map(len, PROMPTS)) + G * 5
-    assert auto_packs(length, attention="sdpa", max_seq_len=None)
-    assert not auto_packs(length, attention="sdpa", max_seq_len=length - 1)  # beyond the positions
+    choose = lambda n, att, limit=None, flex=True, must=False: packing_attention(  # noqa: E731
+        n, attention=att, max_seq_len=limit, flex_ok=flex, must_pack=must)
     long = AUTO_MAX_PACKED_SDPA + 1
-    assert not auto_packs(long, attention="sdpa", max_seq_len=None)  # dense mask: quadratic
-    assert auto_packs(long, attention="flex", max_seq_len=None) and not auto_packs(long, attention="flex",
-                                                                                     max_seq_len=long - 1)
+    # auto: short groups with the dense mask, long ones with flex where it runs, else expanded
+    assert choose(length, "auto") == "sdpa" and choose(long, "auto") == "flex"
+    assert choose(long, "auto", flex=False) is None
+    # never past the model's positions, unless prompt_sharing: true insists (the forward raises)
+    assert choose(length, "auto", limit=length - 1) is None and choose(long, "flex", limit=long - 1) is None
+    assert choose(length, "sdpa", limit=length - 1, must=True) == "sdpa"
+    # explicit settings: sdpa only while it pays, flex at any length
+    assert choose(long, "sdpa") is None and choose(long, "sdpa", must=True) == "sdpa"
+    assert choose(long, "flex") == "flex" and choose(length, "flex") == "flex"
+    with pytest.raises(ValueError, match="config key 'prompt_sharing_attention'.*'dense'"):
+        choose(length, "dense")
+    assert not flex_available(torch.device("cpu"))
 
 
 def test_flex_block_mask_equals_the_dense_mask(setup):

@@ -38,8 +38,8 @@ from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
 from logitless.rl.sampling import prompt_generators
-from logitless.rl.shared_batch import (ATTENTION, PROMPT_SHARING, auto_packs, packed_length, training_batch,
-                                       use_prompt_sharing)
+from logitless.rl.shared_batch import (ATTENTION_SETTINGS, PROMPT_SHARING, flex_available, packed_length,
+                                       packing_attention, training_batch, use_prompt_sharing)
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
@@ -74,9 +74,10 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
                           doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G "
                               "and the packed group is short enough to pay, decided per step)"),
-    "prompt_sharing_attention": Key(str, default="sdpa", choices=ATTENTION,
-                                    doc="attention of the packed groups: sdpa (dense mask, any device) or "
-                                        "flex (FlexAttention block mask, CUDA; recompiles per packed length)"),
+    "prompt_sharing_attention": Key(str, default="auto", choices=ATTENTION_SETTINGS,
+                                    doc="attention of the packed groups: auto (sdpa up to 12288 packed tokens, "
+                                        "flex beyond on CUDA), sdpa (dense mask, any device) or flex "
+                                        "(FlexAttention block mask, CUDA; compiles once per 1024-token bucket)"),
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
     "clip_grad_norm": Key((float, None), default=None),
@@ -188,6 +189,7 @@ class GRPORecipe:
         if cfg.cpu_threads is not None:
             torch.set_num_threads(cfg.cpu_threads)
         self.device = self.runtime.device
+        self.flex_ok = flex_available(self.device)
         self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
         self.seed = tt_training.set_seed(cfg.seed)
         self.tokenizer = tt_config.instantiate(cfg.tokenizer)
@@ -324,9 +326,9 @@ class GRPORecipe:
         batch_values = self._gather({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated})
         lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
-        shared = self._share_prompts(rollout)
-        batch = training_batch(rollout, prompt_sharing=shared, pad_id=self.pad_id,
-                               ignore_index=self.loss_fn.ignore_index, attention=cfg.prompt_sharing_attention)
+        attention = self._packing_attention(rollout)
+        batch = training_batch(rollout, prompt_sharing=attention is not None, pad_id=self.pad_id,
+                               ignore_index=self.loss_fn.ignore_index, attention=attention or "sdpa")
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch,
                           advantages[share.start * group_size:share.stop * group_size].to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
@@ -341,22 +343,24 @@ class GRPORecipe:
             float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()), dtype=torch.float64)))
         metrics = rollout_metrics(batch_values, lengths, truncated.bool())
         metrics.update(upd)
-        metrics.update({"prompt_sharing": float(shared)})
+        metrics.update({"prompt_sharing": float(attention is not None),
+                        "prompt_sharing_flex": float(attention == "flex")})
         metrics.update({
             "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
             "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
             "tokens_per_second": n_tokens / (t_end - t0), **self._peak_memory()})
         return metrics
 
-    def _share_prompts(self, rollout) -> bool:
-        """Whether this step's update packs each group's prompt once (``prompt_sharing: auto`` decides
-        per step from the longest packed group over all ranks, so that every rank runs the same path)."""
-        if not self.prompt_sharing or self.cfg.prompt_sharing != "auto":
-            return self.prompt_sharing
+    def _packing_attention(self, rollout) -> Optional[str]:
+        """The attention this step's update packs each group with, or None for the expanded batch;
+        decided from the longest packed group over all ranks, so that every rank runs the same path."""
+        if not self.prompt_sharing:
+            return None
         length = int(self.runtime.all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
         inner = getattr(self.model, "_orig_mod", self.model)
-        return auto_packs(length, attention=self.cfg.prompt_sharing_attention,
-                          max_seq_len=getattr(inner, "max_seq_len", None))
+        return packing_attention(length, attention=self.cfg.prompt_sharing_attention,
+                                 max_seq_len=getattr(inner, "max_seq_len", None), flex_ok=self.flex_ok,
+                                 must_pack=self.cfg.prompt_sharing is True)
 
     def save(self, step: int) -> None:
         """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG); all ranks take
