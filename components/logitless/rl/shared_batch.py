@@ -20,8 +20,7 @@ from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predictin
 from logitless.rl.generation import Rollout
 
 ATTENTION = ("sdpa", "flex")
-#: ``prompt_sharing_attention`` in a config: ``auto`` is ``flex`` where torchtune runs FlexAttention
-#: (CUDA, sm >= 7.5), else ``sdpa``.
+#: ``prompt_sharing_attention`` in a config: ``auto`` chooses per step (:func:`packing_attention`).
 ATTENTION_SETTINGS = ("auto",) + ATTENTION
 #: The flex path pads packed groups to a multiple of this many tokens: torchtune compiles
 #: FlexAttention for static shapes, so every distinct length compiles anew, and past torch's
@@ -126,9 +125,7 @@ class SharedGroupBatch:
                              f"prompt + G x completion length), more than the model's max_seq_len={limit}; "
                              f"set prompt_sharing: false")
         if self.attention == "flex":
-            from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
-
-            if not _SUPPORTS_FLEX_ATTENTION or self.completions.device.type != "cuda":
+            if not flex_available(self.completions.device):
                 raise ValueError("attention='flex' needs CUDA (torchtune uses FlexAttention on sm >= 7.5 GPUs "
                                  "only); use attention='sdpa'")
             bucket = -(-length // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE
