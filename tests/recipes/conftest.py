@@ -2,12 +2,19 @@
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -22,8 +29,11 @@ def tune_cli():
     """
     def launch(args, out, env=None):
         path = os.pathsep.join([str(REPO / "recipes"), str(REPO / "components"), os.environ.get("PYTHONPATH", "")])
+        # A free rendezvous port per launch (torchrun reads PET_MASTER_PORT): back-to-back
+        # multi-process runs on the default 29500 can collide with a port still held by the last one.
         return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": path, **(env or {})})
+                                env={**os.environ, "PYTHONPATH": path, "PET_MASTER_PORT": str(_free_port()),
+                                     **(env or {})})
 
     return launch
