@@ -22,6 +22,7 @@ import statistics
 import torch
 import triton
 
+from bench_head import rel  # the same error measure as the head benchmark
 from logitless.ops.triton import head
 
 SHAPES = {"qwen7b": (8192, 3584, 152064), "llama8b": (8192, 4096, 128256),
@@ -50,10 +51,6 @@ def _reference(h, w, y, inv_t, rows):
     return z.gather(1, y[rows][:, None]).squeeze(1) - lse, lse - (p * z).sum(-1)
 
 
-def _rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
-
-
 def sweep(name, reps, temperature):
     """Rows of the table for one head shape."""
     n, hid, vocab = SHAPES[name]
@@ -65,24 +62,24 @@ def sweep(name, reps, temperature):
     rows = torch.randperm(n, device="cuda", generator=g)[:512]
     ref_lp, ref_ent = _reference(h, w, y, inv_t, rows)
     plain_lp = ((h[rows] @ w.t()).float() * inv_t).log_softmax(-1).gather(1, y[rows][:, None]).squeeze(1)
-    plain_err = _rel(plain_lp, ref_lp)
+    plain_err = rel(plain_lp, ref_lp)
     out = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
     gemm = lambda: torch.matmul(h, w.t(), out=out)  # noqa: E731
     table = []
     for ws in WORKSPACES_MIB:
         for block_rows in BLOCK_ROWS:
-            saved = head.MAX_BLOCK_ROWS
-            head.MAX_BLOCK_ROWS = block_rows
-            fn = lambda: head._forward(h, w, y, None, -100, inv_t, ws << 20)  # noqa: E731
+            saved = head.MAX_BLOCK_ROWS, head.FORWARD_WORKSPACE_BYTES
+            head.MAX_BLOCK_ROWS, head.FORWARD_WORKSPACE_BYTES = block_rows, ws << 20
+            fn = lambda: head._forward(h, w, y, None, -100, inv_t, for_backward=False)  # noqa: E731
             try:
                 lp, ent, _ = fn()
-                err = max(_rel(lp[rows], ref_lp), _rel(ent[rows], ref_ent))
+                err = max(rel(lp[rows], ref_lp), rel(ent[rows], ref_ent))
                 for _ in range(3):
                     fn(); gemm()  # noqa: E702
                 torch.cuda.synchronize()
                 ms, ratio = _time(fn, gemm, reps)
             finally:
-                head.MAX_BLOCK_ROWS = saved
+                head.MAX_BLOCK_ROWS, head.FORWARD_WORKSPACE_BYTES = saved
             table.append(dict(shape=name, workspace_mib=ws, block_rows=block_rows, ms=round(ms, 3),
                               gemms=round(ratio, 3), err=f"{err:.2e}", plain_err=f"{plain_err:.2e}"))
             print(table[-1], flush=True)

@@ -229,10 +229,11 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``logp, ent, lse``.
     """
     return _forward(hidden, weight, labels, valid_rows(labels, ignore_index), ignore_index,
-                    1.0 / temperature, WORKSPACE_BYTES if for_backward else FORWARD_WORKSPACE_BYTES)
+                    1.0 / temperature, for_backward)
 
 
-def _forward(hidden, weight, labels, idx, ignore_index, inv_t, budget):
+def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
+    budget = WORKSPACE_BYTES if for_backward else FORWARD_WORKSPACE_BYTES
     n, vocab = hidden.shape[0], weight.shape[0]
     logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
     rows = n if idx is None else idx.numel()
@@ -423,7 +424,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
         # row block of thousands of rows.
-        logp, _, lse = _forward(hidden, weight, labels, idx, ignore_index, inv_t, WORKSPACE_BYTES)
+        logp, _, lse = _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward=True)
         dh, dw = _slab_backward(hidden, weight, labels, idx, lse, None, None, None, coef, inv_t,
                                 ignore_index, need_dh, need_dw)
         return -(logp.sum() * coef), dh, dw

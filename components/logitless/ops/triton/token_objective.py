@@ -78,8 +78,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     if not need_grad or -(-rows // n_c) > head.FUSED_MAX_CHUNKS:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
-        logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t,
-                                       head.WORKSPACE_BYTES if need_grad else head.FORWARD_WORKSPACE_BYTES)
+        logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t, need_grad)
         all_rows = torch.arange(n, device=hidden.device) if idx is None else idx
         value, a, b = _coefficients(token_objective, logp[all_rows],
                                     ent[all_rows] if need_entropy else None, all_rows, need_grad)
