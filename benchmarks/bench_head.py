@@ -25,7 +25,8 @@ what was allocated before the step; the gradients dh, dW are part of it), and
 and entropy; the objective in ``obj``), dh and dW.
 
 Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
-SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--plot CSV PNG``.
+SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--profile SHAPES`` (each path's GPU
+time split into GEMMs, epilogues, other kernels and idle), ``--plot CSV PNG``.
 
 Example:
     PYTHONPATH=components python benchmarks/bench_head.py --shapes qwen7b \
@@ -415,6 +416,109 @@ def micro(shape, reps=10):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+PROFILE_CASES = (("triton", "ce"), ("triton_fused", "ce"), ("triton", "logp"), ("triton", "fwd"),
+                 ("triton", "obj"), ("liger", "ce"), ("liger", "fwd"))
+_GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
+
+
+def _kernel_category(name):
+    low = name.lower()
+    if any(k in low for k in _GEMM_NAMES):
+        return "gemm"
+    if "_kernel" in low and not low.startswith(("void at::", "at::")):
+        return "epilogue"  # the Triton kernels (ours, or a peer's)
+    return "other"  # torch elementwise / index / reduce / copy kernels
+
+
+def _largest_gaps(prof, k):
+    """The ``k`` longest stretches with no kernel running: (microseconds, kernel before, after,
+    the innermost host ops that span most of the stretch)."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gaps, end, name = [], None, ""
+    for s0, s1, nm in ks:
+        if end is not None and s0 > end:
+            gaps.append((s0 - end, name, nm, end, s0))
+        if end is None or s1 > end:
+            end, name = s1, nm
+    out = []
+    for us, before, after, g0, g1 in sorted(gaps, reverse=True)[:k]:
+        spans = [e for e in host
+                 if min(e.time_range.end, g1) - max(e.time_range.start, g0) > 0.5 * (g1 - g0)]
+        spans.sort(key=lambda e: e.time_range.end - e.time_range.start)
+        out.append((us, before, after, ", ".join(e.name[:40] for e in spans[:3])))
+    return out
+
+
+def profile_breakdown(shape, out=None, reps=3):
+    """Where each head path spends its GPU time, in units of one GEMM of the same run.
+
+    For each (impl, mode) of ``PROFILE_CASES``: ``reps`` steps under ``torch.profiler``; kernel time
+    is summed per category (cuBLAS GEMMs, Triton epilogues, other torch kernels) and compared with
+    the steps' wall time on CUDA events (the rest is idle GPU: launch gaps, host syncs).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    import triton
+
+    n, hd, v = SHAPES[shape]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(n, hd, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, hd, device=dev, generator=gen) * (2.0 / math.sqrt(hd))).to(
+        torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, v, (n,), device=dev, generator=gen)
+    g1 = torch.randn(n, device=dev, generator=gen)
+    g2 = torch.randn(n, device=dev, generator=gen)
+    adv, old = grpo_inputs(h, w, y, gen)
+    gemm_ms = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), 10, 3)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    fields = ["shape", "impl", "mode", "gemm_ms", "wall", "gemm", "epilogue", "other", "idle",
+              "n_gemm_kernels", "top_kernels", *meta]
+    rows = _Rows(out, fields)
+    print(f"## profile {shape}: one GEMM = {gemm_ms:.2f} ms (all figures below in GEMMs per step)")
+    for impl, mode in PROFILE_CASES:
+        f = build(impl, mode)
+        if isinstance(f, str):
+            print(f"{impl:13s} {mode:4s} {f}")
+            continue
+        ups = (adv, old) if mode == "obj" else (g1, g2)
+        run = lambda: step(f, mode, h, w, y, *ups)  # noqa: E731
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        wall = time_ms(run, reps, 0)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                run()
+            torch.cuda.synchronize()
+        cats, count, per_kernel = {"gemm": 0.0, "epilogue": 0.0, "other": 0.0}, 0, {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            ms = e.device_time_total / 1e3 / reps
+            c = _kernel_category(e.name)
+            cats[c] += ms
+            count += c == "gemm"
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + ms
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:4]
+        gaps = _largest_gaps(prof, 4)
+        r = dict(shape=shape, impl=impl, mode=mode, gemm_ms=round(gemm_ms, 3), wall=wall / gemm_ms,
+                 **{k: t / gemm_ms for k, t in cats.items()},
+                 idle=max(0.0, wall - sum(cats.values())) / gemm_ms, n_gemm_kernels=count // reps,
+                 top_kernels="; ".join(f"{k[:48]}={t / gemm_ms:.3f}" for k, t in top), **meta)
+        rows.append(r)
+        print(f"{impl:13s} {mode:4s} wall {r['wall']:.2f} = gemm {r['gemm']:.2f} + epilogue "
+              f"{r['epilogue']:.2f} + other {r['other']:.2f} + idle {r['idle']:.2f} "
+              f"({r['n_gemm_kernels']} GEMM launches)", flush=True)
+        print("    " + r["top_kernels"], flush=True)
+        for us, before, after, host in gaps:
+            print(f"    idle {us:.0f} us between {before[:30]} and {after[:30]}; host: {host}", flush=True)
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+
+
 def tradeoffs(shape, reps=5):
     """Workspace size vs speed, the cost of ignored rows, and epilogue launch shapes (triton only)."""
     from logitless.ops.triton import head
@@ -504,6 +608,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="CSV path (appends rows)")
     ap.add_argument("--micro", default="", help="shapes for the piecewise timing of the triton path")
     ap.add_argument("--tradeoffs", default="", help="shapes for workspace / ignored-rows / launch sweeps")
+    ap.add_argument("--profile", default="", help="shapes for the GEMM / epilogue / idle split of each path")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
     args = ap.parse_args(argv)
     if args.plot:
@@ -511,6 +616,10 @@ def main(argv=None):
     for shape in filter(None, args.tradeoffs.split(",")):
         tradeoffs(shape)
     if args.tradeoffs:
+        return
+    for shape in filter(None, args.profile.split(",")):
+        profile_breakdown(shape, args.out)
+    if args.profile:
         return
     for shape in filter(None, args.micro.split(",")):
         micro(shape)

@@ -9,6 +9,9 @@
 #            completion {512,2048}, one group per micro-batch (issue 6's table)
 #   generation : bench_generation.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
 #   limits : largest G and completion length that fit, ours (update-only search) and TRL (probes)
+#   longgroup : the qwen_grpo recipe with 2 groups of G=16, 1024-token prompts and 1024-token
+#            completions (17408 packed tokens a group, past the dense-mask limit): prompt_sharing
+#            auto (picks flex by itself) against expanded (prompt_sharing=false), 3 steps each
 # Usage: bash benchmarks/run_grpo_gpu.sh OUT_DIR SECTION...
 set -uo pipefail
 out=${1:?usage: run_grpo_gpu.sh OUT_DIR SECTION...}
@@ -49,6 +52,22 @@ limits)
         --max-G 1024 --max-completion-len 32768 --out "$out/grpo_limits.csv"
     trl 150 --model 0.5b --steps 1 --group 256
     trl 190 --model 0.5b --steps 1 --completion-len 4096 ;;
+longgroup)
+    for mode in auto false; do
+        dir=/tmp/logitless_longgroup_$mode
+        rm -rf "$dir"
+        timeout 280 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
+            model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer \
+            dataset._component_=logitless.rl.data.synthetic_prompt_dataset dataset.prompt_len=1024 \
+            eval_every_n_steps=null max_steps=3 save_every_n_steps=1000 output_dir="$dir" \
+            prompts_per_step=2 num_generations=16 micro_batch_size=16 generation.max_new_tokens=1024 \
+            prompt_sharing=$mode > "$out/grpo_longgroup_$mode.log" 2>&1
+        echo "longgroup prompt_sharing=$mode rc=$?"
+        cat "$dir"/logs/*.txt > "$out/grpo_longgroup_${mode}_metrics.txt" 2>/dev/null
+        grep -h -o "Step [0-9]* |.*" "$out/grpo_longgroup_${mode}_metrics.txt" | tr '|' '\n' \
+            | grep -E "^Step|prompt_sharing|step_time_s|time/|peak_memory_alloc" | tr '\n' ' ' | sed 's/Step/\nStep/g'
+        echo
+    done ;;
 generation)
     timeout 260 python3 benchmarks/bench_generation.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \
         --new-tokens 512 --prompts 4 --groups 16 --out "$out/generation.csv" 2>&1 | tail -n 14 ;;

@@ -97,3 +97,26 @@ def test_obj_is_na_for_peers(bench, impl):
 
 def test_unfused_is_obj_only(bench):
     assert all(isinstance(bench.build("triton_unfused", m), str) for m in ("ce", "logp", "fwd"))
+
+
+def test_profile_sorts_kernels_and_finds_idle_stretches(bench):
+    # The --profile split: cuBLAS names are GEMMs, Triton kernels epilogues, the rest other; idle
+    # stretches are the holes in the union of kernel intervals, with the host op spanning them.
+    assert bench._kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert bench._kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert bench._kernel_category("row_stats_kernel") == "epilogue"
+    assert bench._kernel_category("liger_cross_entropy_kernel") == "epilogue"
+    assert bench._kernel_category("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+    class Ev:
+        def __init__(self, name, start, end, cuda):
+            self.name = name
+            self.time_range = type("R", (), {"start": start, "end": end})()
+            self.device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+
+    events = [Ev("a", 0, 10, True), Ev("b", 5, 20, True), Ev("c", 50, 60, True), Ev("d", 62, 70, True),
+              Ev("aten::nonzero", 18, 55, False), Ev("outer", 0, 100, False)]
+    prof = type("P", (), {"events": lambda self: events})()
+    gaps = bench._largest_gaps(prof, 5)
+    assert [(g[0], g[1], g[2]) for g in gaps] == [(30, "b", "c"), (2, "c", "d")]
+    assert gaps[0][3].startswith("aten::nonzero")

@@ -158,6 +158,37 @@ def test_cross_entropy_no_grad_and_uncompacted_paths(monkeypatch, compact, ce_pa
     assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
 
 
+@pytest.mark.parametrize("ignore_frac", [0.0, 0.4])
+def test_caller_count_of_valid_rows_gives_the_counted_result(ignore_frac, ce_path):
+    # valid_rows with the caller's count (no sync) compacts exactly the rows nonzero() finds, and
+    # the ops given that count match the float64 reference in forward and recompute backward.
+    hidden, weight, labels = _inputs(23, 12, 65, seed=11, ignore_frac=ignore_frac)
+    n_valid = int((labels != IGN).sum())
+    counted = head.valid_rows(labels, IGN)
+    given = head.valid_rows(labels, IGN, n_valid)
+    assert (counted is None) == (given is None) == (n_valid == labels.numel())
+    if counted is not None:
+        assert torch.equal(counted, given)
+    h64, w64 = _ref64(hidden, weight)
+    g = torch.randn(23, generator=torch.Generator().manual_seed(2)).to(DEV)
+    logp, ent = T.linear_log_probs(hidden, weight, labels, ignore_index=IGN, temperature=0.9,
+                                   return_entropy=True, n_valid=n_valid)
+    ref_lp, ref_ent = reference.log_probs(h64, w64, labels.cpu(), ignore_index=IGN, temperature=0.9)
+    (logp * g + ent).sum().backward()
+    (ref_lp * g.cpu().double() + ref_ent).sum().backward()
+    assert _rel(logp, ref_lp) < TOL and _rel(ent, ref_ent) < TOL
+    assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
+    hidden.grad = weight.grad = None
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                  temperature=1.0, n_valid=n_valid)
+    loss.backward()
+    h64.grad = w64.grad = None
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction="mean")
+    ref.backward()
+    assert _rel(loss, ref) < TOL
+    assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
+
+
 def test_second_backward_through_fused_ce_raises():
     hidden, weight, labels = _inputs(8, 8, 21, seed=7)
     loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="sum",

@@ -60,3 +60,15 @@ def test_ignore_index_label_is_accepted():
     h, w, _ = _ok()
     y = torch.tensor([0, -100, 3, -100])
     assert torch.isfinite(logitless.linear_cross_entropy(h, w, y))
+
+
+def test_label_check_returns_the_valid_count_it_read():
+    # The count comes back from validation's one host read, so the fused head needs no second.
+    from logitless.ops import _validate
+
+    h, w, _ = _ok()
+    y = torch.tensor([[0, -100, 3], [-100, -100, 19]])
+    hh = torch.randn(2, 3, H)
+    assert _validate.check_head_inputs(hh, w, y, ignore_index=-100) == 3
+    assert _validate.check_head_inputs(hh, w, y, ignore_index=-100, check_label_range=False) is None
+    assert _validate.check_head_inputs(h[:0], w, y.reshape(-1)[:0], ignore_index=-100) == 0

@@ -57,7 +57,7 @@ def check_head_inputs(
     *,
     ignore_index: int,
     check_label_range: bool = True,
-) -> None:
+) -> Optional[int]:
     """Checks shapes, dtypes, devices and label values of ``(hidden, weight, labels)``.
 
     Args:
@@ -67,6 +67,11 @@ def check_head_inputs(
         ignore_index (int): label value that marks a token without loss.
         check_label_range (bool): scan the labels for out-of-range values. This reads the labels
             on the host (a device sync), so it is skipped while ``torch.compile`` traces.
+
+    Returns:
+        Optional[int]: the number of non-ignored labels, read in the same host sync as the range
+        check (the fused head compacts them without a second sync); None when the range is not
+        checked.
 
     Raises:
         ValueError: on the first violated expectation, naming the argument.
@@ -108,12 +113,18 @@ def check_head_inputs(
         )
     if not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    if check_label_range and labels.numel() > 0 and not torch.compiler.is_compiling():
-        vocab = weight.shape[0]
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-        if bool(bad.any()):
-            first = labels[bad][0].item()
-            raise ValueError(
-                f"labels must be in [0, {vocab}) or ignore_index={ignore_index}, "
-                f"got {int(bad.sum())} label(s) out of range, e.g. {first}"
-            )
+    if not check_label_range or torch.compiler.is_compiling():
+        return None
+    if labels.numel() == 0:
+        return 0
+    vocab = weight.shape[0]
+    kept = labels != ignore_index
+    bad = kept & ((labels < 0) | (labels >= vocab))
+    n_bad, n_valid = torch.stack([bad.sum(), kept.sum()]).tolist()  # the one host sync
+    if n_bad:
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"labels must be in [0, {vocab}) or ignore_index={ignore_index}, "
+            f"got {n_bad} label(s) out of range, e.g. {first}"
+        )
+    return n_valid

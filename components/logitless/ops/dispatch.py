@@ -84,7 +84,7 @@ def linear_cross_entropy(
     _validate.check_reduction(reduction)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
-    _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "torch":
         return reference.cross_entropy(
@@ -94,7 +94,8 @@ def linear_cross_entropy(
     h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if impl == "triton":
         loss = _triton().linear_cross_entropy(
-            h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction, temperature=temperature
+            h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
+            n_valid=n_valid,
         )
     else:
         loss = chunked.linear_cross_entropy(
@@ -140,7 +141,7 @@ def linear_log_probs(
     """
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
-    _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "torch":
         return reference.log_probs(
@@ -151,7 +152,7 @@ def linear_log_probs(
     if impl == "triton":
         logp, ent = _triton().linear_log_probs(
             h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, n_valid=n_valid,
         )
     else:
         logp, ent = chunked.linear_log_probs(
@@ -223,7 +224,7 @@ def linear_token_objective(
     _validate.check_token_objective(token_objective, need_entropy)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
-    _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "torch":
         logp, ent = reference.log_probs(
@@ -238,7 +239,7 @@ def linear_token_objective(
     if impl == "triton":
         value, logp, ent = _triton().linear_token_objective(
             h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,
-            need_entropy=need_entropy,
+            need_entropy=need_entropy, n_valid=n_valid,
         )
     else:
         value, logp, ent = chunked.linear_token_objective(

@@ -182,8 +182,22 @@ def flex_block_mask(packed: SharedPromptBatch, num_generations: int, block_size:
     def mask_mod(batch, head, q_idx, kv_idx):
         return segment_mask(segments, q_idx, kv_idx, num_generations, batch=batch)
 
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=s, KV_LEN=s, device=segments.device,
-                             BLOCK_SIZE=block_size, _compile=segments.is_cuda)
+    build = _compiled_create_block_mask() if segments.is_cuda else create_block_mask
+    return build(mask_mod, B=b, H=None, Q_LEN=s, KV_LEN=s, device=segments.device,
+                 BLOCK_SIZE=block_size)
+
+
+_COMPILED_CREATE_BLOCK_MASK = []
+
+
+def _compiled_create_block_mask():
+    # torch.compile(create_block_mask), made once: the form torch recommends in place of the
+    # deprecated ``_compile=True`` flag (one compiled graph per length bucket, guarded on shapes).
+    if not _COMPILED_CREATE_BLOCK_MASK:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _COMPILED_CREATE_BLOCK_MASK.append(torch.compile(create_block_mask))
+    return _COMPILED_CREATE_BLOCK_MASK[0]
 
 
 def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,

@@ -65,7 +65,8 @@ def _prep(hidden, weight, labels):
 
 
 def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, *,
-                         ignore_index: int, reduction: str, temperature: float) -> torch.Tensor:
+                         ignore_index: int, reduction: str, temperature: float,
+                         n_valid: Optional[int] = None) -> torch.Tensor:
     """Cross-entropy of ``softmax(hidden2d @ weight.T / temperature)``, fused.
 
     Args:
@@ -75,6 +76,8 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
         ignore_index (int): ignored label.
         reduction (str): ``"mean"`` (over non-ignored; 0 when none), ``"sum"`` or ``"none"``.
         temperature (float): > 0, divides the logits.
+        n_valid (Optional[int]): the number of non-ignored labels when the caller has read it
+            (validation does, in its one host sync); None: counted here (a second sync).
 
     Returns:
         torch.Tensor: fp32 scalar, or fp32 ``(N,)`` for ``"none"`` (0 at ignored rows).
@@ -87,23 +90,24 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     t = float(temperature)
+    nv = -1 if n_valid is None else int(n_valid)
     need_dh = hidden2d.requires_grad and torch.is_grad_enabled()
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     if reduction == "none":
-        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw)[0]
+        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw, nv)[0]
         return -logp
     if need_dh or need_dw:
         return torch.ops.logitless.triton_ce_fused(h, w, y, ignore_index, t, reduction == "mean",
-                                                   need_dh, need_dw)[0]
-    total = -torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t)[0].sum()
+                                                   need_dh, need_dw, nv)[0]
+    total = -torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, False, nv)[0].sum()
     if reduction == "sum":
         return total
     return total / (y != ignore_index).sum().clamp(min=1)
 
 
 def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, *,
-                     ignore_index: int, temperature: float,
-                     return_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     ignore_index: int, temperature: float, return_entropy: bool,
+                     n_valid: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (and entropy) of ``softmax(hidden2d @ weight.T / temperature)``, fused.
 
     Differentiable w.r.t. ``hidden2d`` and ``weight`` for any upstream gradients (the backward
@@ -116,6 +120,7 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
         ignore_index (int): positions with this label get 0 and no gradient.
         temperature (float): > 0, divides the logits.
         return_entropy (bool): also return the entropy (else ``None``).
+        n_valid (Optional[int]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: fp32 ``(N,)`` log-probs and entropy.
@@ -126,6 +131,6 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     for_backward = torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad)
-    logp, ent, _ = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, float(temperature),
-                                                       for_backward)
+    logp, ent, _ = torch.ops.logitless.triton_head_fwd(
+        h, w, y, ignore_index, float(temperature), for_backward, -1 if n_valid is None else int(n_valid))
     return logp, (ent if return_entropy else None)

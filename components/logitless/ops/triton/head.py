@@ -1,6 +1,7 @@
 """Host side of the fused head: cuBLAS GEMMs over bounded tiles, Triton epilogues in between.
 
-Ignored rows are dropped first (``valid_rows``; one device->host sync for their count). Three
+Ignored rows are dropped first (``valid_rows``; their count comes from the caller's one host sync
+in validation, else from a sync here). Three
 paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
 
 * forward only (``head_forward``, the no-grad pass and the forward of ``linear_log_probs``;
@@ -89,16 +90,19 @@ def _num_splits(rows: int, vocab: int, device: torch.device) -> Tuple[int, int]:
     return -(-vocab // span), span
 
 
-def valid_rows(labels: torch.Tensor, ignore_index: int) -> Optional[torch.Tensor]:
+def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Optional[torch.Tensor]:
     """Indices of non-ignored rows, or ``None`` to process every row in place.
 
-    Compaction makes ignored rows free but needs their count on the host: one device->host
-    sync. It is skipped (ignored rows then cost as much as valid ones, with zero results) while a
-    CUDA graph is being captured or with ``LOGITLESS_TRITON_COMPACT=0``.
+    Compaction makes ignored rows free but needs their count on the host. Given ``n_valid`` (the
+    public ops read it in validation's one host sync), it costs no sync: nothing at all when no
+    row is ignored, else one ``nonzero_static``. Without it, ``nonzero`` syncs once. Compaction is
+    skipped (ignored rows then cost as much as valid ones, with zero results) while a CUDA graph
+    is being captured or with ``LOGITLESS_TRITON_COMPACT=0``.
 
     Args:
         labels (torch.Tensor): ``(N,)`` int64.
         ignore_index (int): the ignored label.
+        n_valid (int): the number of non-ignored labels, or -1 when the caller has not counted.
 
     Returns:
         Optional[torch.Tensor]: int64 indices, or ``None`` when no compaction is done.
@@ -107,6 +111,10 @@ def valid_rows(labels: torch.Tensor, ignore_index: int) -> Optional[torch.Tensor
         return None
     if labels.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    if n_valid == labels.numel():
+        return None
+    if n_valid >= 0:
+        return torch.nonzero_static(labels != ignore_index, size=n_valid).squeeze(1)
     idx = torch.nonzero(labels != ignore_index).squeeze(1)
     return None if idx.numel() == labels.numel() else idx
 
@@ -209,7 +217,7 @@ def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[in
 
 
 def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
-                 for_backward: bool = False):
+                 for_backward: bool = False, n_valid: int = -1):
     """Per-token log-prob, entropy and LSE (fp32 ``(N,)`` each, 0 at ignored rows but ``lse``).
 
     Walks (row block x V slab) tiles of logits: at most ``FORWARD_WORKSPACE_BYTES`` of them for a
@@ -224,11 +232,12 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
         ignore_index (int): ignored label.
         temperature (float): logits are divided by it.
         for_backward (bool): a backward will follow (the training workspace may be used).
+        n_valid (int): non-ignored labels as counted by the caller (-1: count here, a sync).
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ``logp, ent, lse``.
     """
-    return _forward(hidden, weight, labels, valid_rows(labels, ignore_index), ignore_index,
+    return _forward(hidden, weight, labels, valid_rows(labels, ignore_index, n_valid), ignore_index,
                     1.0 / temperature, for_backward)
 
 
@@ -337,7 +346,7 @@ def _acc32(acc, a, b, first):
 
 
 def head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index: int,
-                  temperature: float, need_dh: bool, need_dw: bool):
+                  temperature: float, need_dh: bool, need_dw: bool, n_valid: int = -1):
     """Gradients of ``sum(g_logp * logp + g_ent * ent)`` w.r.t. hidden and weight (recompute).
 
     Args:
@@ -346,12 +355,13 @@ def head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index:
         g_logp, g_ent (Optional[torch.Tensor]): fp32 ``(N,)`` upstream gradients (None: zero).
         ignore_index (int), temperature (float): as in the forward.
         need_dh, need_dw (bool): which gradients to compute.
+        n_valid (int): as in :func:`head_forward` (the forward's count, kept by autograd).
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: ``dh`` ``(N, H)`` and ``dw`` ``(V, H)`` in the inputs'
         dtype (empty ``(0,)`` tensors for the ones not needed).
     """
-    return _slab_backward(hidden, weight, labels, valid_rows(labels, ignore_index), lse,
+    return _slab_backward(hidden, weight, labels, valid_rows(labels, ignore_index, n_valid), lse,
                           ent if g_ent is not None else None, g_logp, g_ent, None,
                           1.0 / temperature, ignore_index, need_dh, need_dw)
 
@@ -400,13 +410,14 @@ def _grad_buffer(like, needed, zero):
 
 
 def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean: bool,
-             need_dh: bool, need_dw: bool):
+             need_dh: bool, need_dw: bool, n_valid: int = -1):
     """Cross-entropy with its gradients computed in the same pass (scalar upstream of 1).
 
     Args:
         hidden, weight, labels, ignore_index, temperature: as in :func:`head_forward`.
         mean (bool): average over non-ignored tokens (else sum).
         need_dh, need_dw (bool): which gradients to compute.
+        n_valid (int): as in :func:`head_forward`.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, torch.Tensor]: fp32 scalar loss, ``dh``, ``dw`` (the
@@ -416,7 +427,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
     count = (labels != ignore_index).sum()
     coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
-    idx = valid_rows(labels, ignore_index)
+    idx = valid_rows(labels, ignore_index, n_valid)
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)

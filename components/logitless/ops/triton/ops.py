@@ -24,13 +24,17 @@ from logitless.ops.triton import head
 
 @torch.library.custom_op("logitless::triton_head_fwd", mutates_args=())
 def head_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-             temperature: float, for_backward: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns fp32 ``(logp, ent, lse)`` of shape ``(N,)``; see :func:`head.head_forward`."""
-    return head.head_forward(hidden, weight, labels, ignore_index, temperature, for_backward)
+             temperature: float, for_backward: bool = False,
+             n_valid: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
+    """Returns fp32 ``(logp, ent, lse)`` of shape ``(N,)``; see :func:`head.head_forward`.
+
+    ``n_valid``: the caller's count of non-ignored labels (-1: unknown, counted with a sync).
+    """
+    return head.head_forward(hidden, weight, labels, ignore_index, temperature, for_backward, n_valid)
 
 
 @head_fwd.register_fake
-def _(hidden, weight, labels, ignore_index, temperature, for_backward=False):
+def _(hidden, weight, labels, ignore_index, temperature, for_backward=False, n_valid=-1):
     n = hidden.shape[0]
     return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
 
@@ -38,14 +42,16 @@ def _(hidden, weight, labels, ignore_index, temperature, for_backward=False):
 @torch.library.custom_op("logitless::triton_head_bwd", mutates_args=())
 def head_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, ent: Tensor,
              g_logp: Optional[Tensor], g_ent: Optional[Tensor], ignore_index: int,
-             temperature: float, need_dh: bool, need_dw: bool) -> Tuple[Tensor, Tensor]:
+             temperature: float, need_dh: bool, need_dw: bool,
+             n_valid: int = -1) -> Tuple[Tensor, Tensor]:
     """Returns ``(dh, dw)``; see :func:`head.head_backward`."""
     return head.head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index,
-                              temperature, need_dh, need_dw)
+                              temperature, need_dh, need_dw, n_valid)
 
 
 @head_bwd.register_fake
-def _(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index, temperature, need_dh, need_dw):
+def _(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index, temperature, need_dh, need_dw,
+      n_valid=-1):
     return (torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_dw else weight.new_empty((0,)))
 
@@ -62,16 +68,18 @@ def _head_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, labels, lse, ent)
     ctx.ignore_index, ctx.temperature = ignore_index, temperature
+    # The forward's count of valid rows: the backward compacts them again without a host sync.
+    ctx.n_valid = inputs[6] if len(inputs) > 6 else -1
 
 
 def _head_backward(ctx, g_logp, g_ent, g_lse):
     hidden, weight, labels, lse, ent = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if (g_logp is None and g_ent is None) or not (need_dh or need_dw):
-        return None, None, None, None, None, None
+        return (None,) * 7
     dh, dw = head_bwd(hidden, weight, labels, lse, ent, _upstream(g_logp), _upstream(g_ent),
-                      ctx.ignore_index, ctx.temperature, need_dh, need_dw)
-    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None
+                      ctx.ignore_index, ctx.temperature, need_dh, need_dw, ctx.n_valid)
+    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None
 
 
 head_fwd.register_autograd(_head_backward, setup_context=_head_setup)
@@ -79,14 +87,15 @@ head_fwd.register_autograd(_head_backward, setup_context=_head_setup)
 
 @torch.library.custom_op("logitless::triton_ce_fused", mutates_args=())
 def ce_fused(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
-             temperature: float, mean: bool, need_dh: bool,
-             need_dw: bool) -> Tuple[Tensor, Tensor, Tensor]:
+             temperature: float, mean: bool, need_dh: bool, need_dw: bool,
+             n_valid: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns ``(loss, dh, dw)``, gradients for an upstream of 1; see :func:`head.ce_fused`."""
-    return head.ce_fused(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw)
+    return head.ce_fused(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw,
+                         n_valid)
 
 
 @ce_fused.register_fake
-def _(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw):
+def _(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw, n_valid=-1):
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_dw else weight.new_empty((0,)))
@@ -122,13 +131,13 @@ def _ce_backward(ctx, g_loss, g_dh, g_dw):
     ctx.used = True
     dh, dw = ctx.saved_tensors
     if g_loss is None:
-        return (None,) * 8
+        return (None,) * 9
     g = g_loss.detach()
     if ctx.need[0]:
         scale_(dh, g)
     if ctx.need[1]:
         scale_(dw, g)
-    return ((dh if ctx.need[0] else None), (dw if ctx.need[1] else None)) + (None,) * 6
+    return ((dh if ctx.need[0] else None), (dw if ctx.need[1] else None)) + (None,) * 7
 
 
 ce_fused.register_autograd(_ce_backward, setup_context=_ce_setup)

@@ -53,7 +53,8 @@ def _coefficients(token_objective: TokenObjective, logp: torch.Tensor, ent: Opti
 
 
 def token_objective_fused(hidden, weight, labels, token_objective: TokenObjective, ignore_index: int,
-                          temperature: float, need_entropy: bool, need_dh: bool, need_dw: bool):
+                          temperature: float, need_entropy: bool, need_dh: bool, need_dw: bool,
+                          n_valid: int = -1):
     """The objective, per-token log-probs / entropy, and the objective's gradients (upstream 1).
 
     Args:
@@ -63,6 +64,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
             :func:`linear_token_objective`.
         need_entropy (bool): pass the entropy to the objective (and return it).
         need_dh, need_dw (bool): which gradients to compute.
+        n_valid (int): non-ignored labels as counted by the caller (-1: count here, a sync).
 
     Returns:
         Tuple: fp32 scalar objective, fp32 ``(N,)`` logp and ent (0 at ignored rows), ``dh``,
@@ -71,7 +73,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     n, vocab = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / temperature
     need_grad = need_dh or need_dw
-    idx = head.valid_rows(labels, ignore_index)
+    idx = head.valid_rows(labels, ignore_index, n_valid)
     rows = n if idx is None else idx.numel()
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
@@ -123,11 +125,12 @@ class _TritonTokenObjective(torch.autograd.Function):
     """Scalar objective with dh, dW computed in the forward; backward scales them in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_objective, ignore_index, temperature, need_entropy):
+    def forward(ctx, hidden, weight, labels, token_objective, ignore_index, temperature, need_entropy,
+                n_valid):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         value, logp, ent, dh, dw = token_objective_fused(
             hidden, weight, labels, token_objective, ignore_index, temperature, need_entropy,
-            need_dh, need_dw,
+            need_dh, need_dw, n_valid,
         )
         ctx.save_for_backward(dh, dw)
         ctx.need, ctx.used = (need_dh, need_dw), False
@@ -146,19 +149,20 @@ class _TritonTokenObjective(torch.autograd.Function):
             )
         ctx.used = True
         if g_value is None:
-            return (None,) * 7
+            return (None,) * 8
         dh, dw = ctx.saved_tensors
         g = g_value.detach()
         if ctx.need[0]:
             head.scale_(dh, g)
         if ctx.need[1]:
             head.scale_(dw, g)
-        return (dh if ctx.need[0] else None), (dw if ctx.need[1] else None), None, None, None, None, None
+        return (dh if ctx.need[0] else None), (dw if ctx.need[1] else None), *(None,) * 6
 
 
 def linear_token_objective(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
                            token_objective: TokenObjective, *, ignore_index: int, temperature: float,
-                           need_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                           need_entropy: bool, n_valid: Optional[int] = None,
+                           ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``sum over rows of token_objective`` on the fused head, with its gradients in the forward.
 
     Same contract as :func:`logitless.ops.chunked.linear_token_objective`. The objective is called
@@ -176,6 +180,8 @@ def linear_token_objective(hidden2d: torch.Tensor, weight: torch.Tensor, labels1
         ignore_index (int): rows with this label have no term (never passed to the objective).
         temperature (float): > 0, divides the logits.
         need_entropy (bool): compute the entropy and pass it to the objective.
+        n_valid (Optional[int]): the number of non-ignored labels when the caller has read it
+            (validation does); None: counted here (a second host sync).
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: the fp32 scalar objective
@@ -194,4 +200,4 @@ def linear_token_objective(hidden2d: torch.Tensor, weight: torch.Tensor, labels1
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     return _TritonTokenObjective.apply(h, w, y, token_objective, ignore_index, float(temperature),
-                                       bool(need_entropy))
+                                       bool(need_entropy), -1 if n_valid is None else int(n_valid))
