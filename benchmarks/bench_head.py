@@ -40,6 +40,7 @@ import math
 import os
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -442,6 +443,9 @@ def _largest_gaps(prof, k):
             gaps.append((s0 - end, name, nm, end, s0))
         if end is None or s1 > end:
             end, name = s1, nm
+    small = [g[0] for g in gaps if g[0] <= 100]
+    print(f"    idle stretches: {len(gaps) - len(small)} over 100 us "
+          f"({sum(g[0] for g in gaps) - sum(small):.0f} us), {len(small)} shorter ({sum(small):.0f} us)")
     out = []
     for us, before, after, g0, g1 in sorted(gaps, reverse=True)[:k]:
         spans = [e for e in host
@@ -489,6 +493,13 @@ def profile_breakdown(shape, out=None, reps=3):
             run()
         torch.cuda.synchronize()
         wall = time_ms(run, reps, 0)
+        host = []
+        for _ in range(reps):  # host time to issue one step (it waits only at its own syncs)
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        host_ms = statistics.median(host)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 run()
@@ -511,7 +522,8 @@ def profile_breakdown(shape, out=None, reps=3):
         rows.append(r)
         print(f"{impl:13s} {mode:4s} wall {r['wall']:.2f} = gemm {r['gemm']:.2f} + epilogue "
               f"{r['epilogue']:.2f} + other {r['other']:.2f} + idle {r['idle']:.2f} "
-              f"({r['n_gemm_kernels']} GEMM launches)", flush=True)
+              f"({r['n_gemm_kernels']} GEMM launches); host issues a step in {host_ms / gemm_ms:.2f}",
+              flush=True)
         print("    " + r["top_kernels"], flush=True)
         for us, before, after, host in gaps:
             print(f"    idle {us:.0f} us between {before[:30]} and {after[:30]}; host: {host}", flush=True)
