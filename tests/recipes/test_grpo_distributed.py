@@ -82,12 +82,27 @@ def test_two_cpu_ranks_match_single_device_and_resume_exactly(tmp_path, tune_cli
             assert resumed[key][step] == pytest.approx(dist[key][step], rel=1e-6, abs=1e-9), (step, key)
 
 
+@pytest.mark.slow
+def test_sampling_through_a_rollout_copy_matches_gathered_shards(tmp_path, tune_cli):
+    # generation.rollout_copy: the ranks sample with an unsharded copy refreshed from the shards
+    # before each sampling phase (training and eval), instead of gathering the shards; same
+    # sampler, same weights, so the same completions and the same metrics as the default run.
+    steps = ["max_steps=2", "save_every_n_steps=100"]
+    gathered = run_two_ranks(tune_cli, tmp_path / "gathered", *steps)
+    copied = run_two_ranks(tune_cli, tmp_path / "copied", *steps, "generation.rollout_copy=true")
+    assert gathered["eval/accuracy"].keys() == copied["eval/accuracy"].keys() == {2}
+    for key in COMPARED:
+        for step in gathered.get(key, {}):
+            assert copied[key][step] == pytest.approx(gathered[key][step], rel=1e-6, abs=1e-9), (step, key)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["prompts_per_step=3"], "config key 'prompts_per_step': 3 prompts cannot be split evenly over 2 ranks; "
                              "expected a multiple of the world size 2"),
     (["prompts_per_step=4", "micro_batch_size=16"],
      r"config key 'micro_batch_size': 16 does not divide the 8 completions per rank"),
     (["generation.backend=fast", "generation.compile=true"], "generation.compile"),
+    (["generation.rollout_copy=sometimes"], "generation.rollout_copy must be one of"),
 ])
 def test_config_errors_before_anything_is_built(tmp_path, monkeypatch, overrides, match):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group is joined

@@ -90,6 +90,21 @@ def test_temperature_zero_is_greedy_for_any_head_grouping(kv_heads):
     torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
 
 
+def test_attention_output_in_sequence_major_layout(monkeypatch):
+    # CUDA's fp32 SDPA kernels return (B, H, L, D) results laid out as (B, L, H, D); the grouped
+    # decode attention must not assume a contiguous result (it used .view, which fails there).
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sequence_major(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(fast_generation.F, "scaled_dot_product_attention", sequence_major)
+    model = tiny(kv_heads=2).eval()
+    out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
+    assert completions(out) == [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
+
+
 def test_wrapped_model_in_hidden_mode_and_one_new_token():
     model = tiny().eval()
     expected = [naive_greedy(model, p, 5, NEVER) for p in PROMPTS]

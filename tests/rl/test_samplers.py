@@ -3,7 +3,7 @@ import torch
 
 from logitless.rl import fast_generation
 from logitless.rl.generation import generate
-from logitless.rl.samplers import build_sampler
+from logitless.rl.samplers import build_sampler, uses_rollout_copy
 
 
 def test_backend_selection():
@@ -21,12 +21,30 @@ def test_unknown_backend_is_rejected():
         build_sampler({"backend": "vllm"}, torch.device("cpu"))
 
 
-def test_sharded_policies_sample_eagerly_and_uncompiled():
-    assert build_sampler({"backend": "auto"}, torch.device("cuda"), sharded=True) == (generate, generate)
-    fast, _ = build_sampler({"backend": "fast"}, torch.device("cuda"), sharded=True)
+def test_sharded_policies_without_a_rollout_copy_sample_eagerly_and_uncompiled():
+    no_copy = {"rollout_copy": False}
+    assert build_sampler({"backend": "auto", **no_copy}, torch.device("cuda"), sharded=True) == (generate, generate)
+    fast, _ = build_sampler({"backend": "fast", **no_copy}, torch.device("cuda"), sharded=True)
     assert fast.compile is False
     with pytest.raises(ValueError, match="generation.compile: true is not supported with FSDP"):
-        build_sampler({"backend": "fast", "compile": True}, torch.device("cuda"), sharded=True)
+        build_sampler({"backend": "fast", "compile": True, **no_copy}, torch.device("cuda"), sharded=True)
+
+
+def test_sharded_policies_on_cuda_sample_a_rollout_copy_like_one_device():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # auto: a copy with the fast backend on CUDA, then the sampler is the one-device one (compiled)
+    assert uses_rollout_copy({}, cuda, sharded=True)
+    assert uses_rollout_copy({"backend": "fast"}, cuda, sharded=True)
+    assert not uses_rollout_copy({"backend": "eager"}, cuda, sharded=True)
+    assert not uses_rollout_copy({}, cpu, sharded=True)
+    assert not uses_rollout_copy({"rollout_copy": True}, cuda, sharded=False)  # one device: nothing to copy
+    assert uses_rollout_copy({"rollout_copy": True, "backend": "eager"}, cpu, sharded=True)
+    train, _ = build_sampler({"backend": "auto"}, cuda, sharded=True)
+    assert isinstance(train, fast_generation.FastGenerator) and train.compile is None  # None: on CUDA
+    train, _ = build_sampler({"backend": "fast", "compile": True}, cuda, sharded=True)
+    assert train.compile is True
+    with pytest.raises(ValueError, match="generation.rollout_copy must be one of"):
+        uses_rollout_copy({"rollout_copy": "yes"}, cuda, sharded=True)
 
 
 @pytest.mark.parametrize("sampler", [generate, fast_generation.FastGenerator(compile=False)], ids=["eager", "fast"])

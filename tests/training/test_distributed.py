@@ -31,3 +31,28 @@ def test_launched_world_size_reads_torchrun_env(monkeypatch):
     assert launched_world_size() == 4
     monkeypatch.delenv("WORLD_SIZE")
     assert launched_world_size() == 1
+
+
+def test_copy_full_weights_fills_a_same_architecture_model_in_place():
+    # The rollout copy: every parameter copied by name (activation-checkpoint wrapper names
+    # stripped), into the destination's own storage (a CUDA graph over it stays valid).
+    from torch import nn
+
+    from logitless.training.model import apply_activation_checkpointing, build_model
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"_component_": "logitless.models.qwen2_5_tiny"})
+    src = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, seed=1)
+    apply_activation_checkpointing(src)
+    dst = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, seed=2)
+    storage = {k: p.data_ptr() for k, p in dst.named_parameters()}
+    assert any(not torch.equal(p, dst.state_dict()[k.replace("._checkpoint_wrapped_module", "")])
+               for k, p in src.state_dict().items())
+    Runtime.setup("cpu", distributed=False).copy_full_weights(src, dst)
+    for k, p in src.state_dict().items():
+        assert torch.equal(p, dst.state_dict()[k.replace("._checkpoint_wrapped_module", "")]), k
+    assert {k: p.data_ptr() for k, p in dst.named_parameters()} == storage
+    other = nn.Module()
+    other.tok_embeddings = nn.Embedding(3, 4)
+    with pytest.raises(ValueError, match="dst: expected a parameter 'tok_embeddings.weight' of shape"):
+        Runtime.setup("cpu", distributed=False).copy_full_weights(src, other)

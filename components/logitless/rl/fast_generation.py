@@ -124,7 +124,8 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     length = mask.shape[-1]
     mask = mask[:, None, None].expand(b, 1, group, s, length).reshape(b, 1, group * s, length)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return attn.output_proj(out.view(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim))
+    # reshape, not view: some SDPA kernels (fp32 on CUDA) return a (B, L, H, D) memory layout.
+    return attn.output_proj(out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim))
 
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,

@@ -23,6 +23,7 @@ logging and the progress bar come from :mod:`logitless.training`; everything GRP
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Dict, List, Optional
@@ -36,7 +37,7 @@ from logitless.rl.advantages import group_advantages
 from logitless.rl.metrics import rollout_metrics
 from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
-from logitless.rl.samplers import SAMPLER_KEYS, build_sampler
+from logitless.rl.samplers import SAMPLER_KEYS, build_sampler, uses_rollout_copy
 from logitless.rl.sampling import prompt_generators
 from logitless.rl.shared_batch import (ATTENTION_SETTINGS, PROMPT_SHARING, flex_available, packed_length,
                                        packing_attention, training_batch, use_prompt_sharing)
@@ -151,8 +152,9 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
                           f"CUDA available: {torch.cuda.is_available()}); use 'sdpa'")
     sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
+    on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     try:
-        build_sampler(sampler_options, torch.device("cpu"), sharded=distributed)
+        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed)
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
@@ -201,6 +203,7 @@ class GRPORecipe:
         gen.setdefault("stop_tokens", list(getattr(self.tokenizer, "stop_tokens", [self.tokenizer.eos_id])))
         sampler_options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
         self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device, sharded=self.distributed)
+        rollout_copy = uses_rollout_copy(sampler_options, self.device, sharded=self.distributed)
         self.gen_kwargs = gen
         self.pad_id = self.tokenizer.pad_id if getattr(self.tokenizer, "pad_id", None) is not None else 0
 
@@ -216,6 +219,12 @@ class GRPORecipe:
                                      source=str(cfg.checkpointer.checkpoint_dir))
         if self.is_lora:
             model_utils.setup_lora(model)
+        # Sharded runs sample through an unsharded copy whose storage never moves (compiled sampler,
+        # CUDA graphs); its weights are refreshed from the shards before each sampling phase.
+        self.rollout_model = None
+        if rollout_copy:
+            self.rollout_model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype,
+                                                         seed=self.seed).eval().requires_grad_(False)
         self.loss_fn = tt_config.instantiate(cfg.loss)
         self.loss_fn.set_model_output(model)
         # the reference is the policy before any training (also when resuming)
@@ -269,10 +278,25 @@ class GRPORecipe:
             rows.append(int(perm[pos]))
         return rows
 
+    @contextlib.contextmanager
+    def _sampling_weights(self):
+        """The policy's full weights for a sampling phase (every rank enters it).
+
+        Refreshes the rollout copy from the shards, or, without a copy, keeps the shards gathered
+        for the phase (``Runtime.full_weights``; a no-op on one device).
+        """
+        if self.rollout_model is not None:
+            self.runtime.copy_full_weights(self.model, self.rollout_model)
+            yield
+            return
+        with self.runtime.full_weights(self.model):
+            yield
+
     def _sample(self, rows, num_generations: int, generator, evaluation: bool = False, **overrides):
         kwargs = {**self.gen_kwargs, **overrides}
         sample = self.eval_sample_fn if evaluation else self.sample_fn
-        rollout = sample(self.model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
+        policy = self.rollout_model if self.rollout_model is not None else self.model
+        rollout = sample(policy, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
                          pad_id=self.pad_id, generator=generator, **kwargs)
         texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
                  for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
@@ -301,7 +325,7 @@ class GRPORecipe:
         rows = [rows[i] for i in self.runtime.share(len(rows))]
         name = cfg.eval_reward or self.rewards[0].name
         total = torch.zeros(2, dtype=torch.float64)  # score sum, prompts
-        with self.runtime.full_weights(self.model):
+        with self._sampling_weights():
             for start in range(0, len(rows), cfg.eval_batch_size):
                 chunk = rows[start:start + cfg.eval_batch_size]
                 _, prompts, texts, fields = self._sample(chunk, 1, None, evaluation=True, temperature=0.0)
@@ -319,7 +343,7 @@ class GRPORecipe:
         indices = self.prompt_indices(step)
         rows = [self.dataset[indices[i]] for i in share]
         generators = prompt_generators(self.seed, step, share, self.device)
-        with self.runtime.full_weights(self.model):
+        with self._sampling_weights():
             rollout, prompts, texts, fields = self._sample(rows, group_size, generators)
         t_gen = time.perf_counter()
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")

@@ -8,8 +8,37 @@ from logitless.rl import fast_generation
 from logitless.rl.generation import generate
 
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
-SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every")
+SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy")
 BACKENDS = ("auto", "eager", "fast")
+ROLLOUT_COPY = ("auto", True, False)
+
+
+def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded: bool) -> bool:
+    """Whether a sharded policy is sampled through an unsharded copy (``generation.rollout_copy``).
+
+    Under FSDP2 the gathered weights get new storage at every gather, which the fast sampler's
+    captured CUDA graph cannot follow. A persistent unsharded copy of the policy, refreshed from
+    the shards before each sampling phase (:meth:`Runtime.copy_full_weights`), keeps one storage,
+    so the compiled sampler runs as on one GPU. The cost is one full copy of the policy per rank
+    for the whole run, instead of only while sampling. ``auto`` uses the copy with the fast
+    backend on CUDA. The option is ignored on one device.
+
+    Args:
+        options (Dict[str, Any]): the sampler keys of ``generation:``.
+        device (torch.device): where the policy lives.
+        sharded (bool): the policy is FSDP2-sharded.
+
+    Returns:
+        bool: sample through a copy.
+    """
+    choice = options.get("rollout_copy", "auto")
+    if choice not in ROLLOUT_COPY:
+        raise ValueError(f"generation.rollout_copy must be one of {ROLLOUT_COPY}, got {choice!r}")
+    if not sharded:
+        return False
+    if choice == "auto":
+        return options.get("backend", "auto") in ("auto", "fast") and device.type == "cuda"
+    return bool(choice)
 
 
 def build_sampler(options: Dict[str, Any], device: torch.device, *,
@@ -21,10 +50,11 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             ``"fast"``), and for ``fast``: ``compile`` (default: on CUDA), ``max_cache_len`` (one cache
             length, so one compilation, for the whole run) and ``sync_every``.
         device (torch.device): where the policy lives.
-        sharded (bool): the policy is FSDP2-sharded and sampled with its weights gathered for the
-            call (``Runtime.full_weights``). The gathered weights get new storage at every gather,
-            which a captured CUDA graph cannot follow, so ``auto`` means ``eager`` and ``fast``
-            runs uncompiled (``compile: true`` is refused).
+        sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
+            the samplers see that unsharded copy and behave as on one device. Without it they run on
+            the weights gathered for the call (``Runtime.full_weights``), which get new storage at
+            every gather, which a captured CUDA graph cannot follow. Then ``auto`` means ``eager``
+            and ``fast`` runs uncompiled (``compile: true`` is refused).
 
     Returns:
         Tuple[Callable, Callable]: the sampler of the training rollouts and the one of the greedy
@@ -36,9 +66,12 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
     backend = options.get("backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"generation.backend must be one of {BACKENDS}, got {backend!r}")
+    if uses_rollout_copy(options, device, sharded=sharded):
+        sharded = False  # the samplers run on the unsharded copy
     if sharded and options.get("compile"):
-        raise ValueError("generation.compile: true is not supported with FSDP (the gathered weights move "
-                         "between steps, which CUDA graphs cannot follow); use compile: false or backend: eager")
+        raise ValueError("generation.compile: true is not supported with FSDP without a rollout copy (the "
+                         "gathered weights move between steps, which CUDA graphs cannot follow); use "
+                         "rollout_copy: true, compile: false or backend: eager")
     if backend == "auto":
         backend = "fast" if device.type == "cuda" and not sharded else "eager"
     if backend == "eager":

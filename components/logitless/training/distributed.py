@@ -173,6 +173,36 @@ class Runtime:
             for unit in units:
                 unit.set_reshard_after_forward(self.reshard_after_forward and unit is not root, recurse=False)
 
+    @torch.no_grad()
+    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
+        """Copies the full weights of ``src`` (possibly sharded) into the same-named parameters of ``dst``.
+
+        ``dst`` is an unsharded model of the same architecture, such as the copy of the policy that
+        a sharded GRPO run samples with. Its parameters keep their storage, so a CUDA graph
+        captured over ``dst`` stays valid. Each sharded parameter is gathered, copied and freed in
+        turn (one parameter's full size at a time). Every rank must call this; the collectives
+        run in the order of ``src.named_parameters()``.
+
+        Args:
+            src (nn.Module): the model being trained (FSDP2-sharded or not).
+            dst (nn.Module): an unsharded model with every parameter of ``src``.
+
+        Raises:
+            ValueError: a parameter of ``src`` is missing from ``dst`` or has another shape.
+        """
+        from torch.distributed.tensor import DTensor
+
+        targets = dict(dst.named_parameters())
+        for name, param in src.named_parameters():
+            key = name.replace("._checkpoint_wrapped_module", "")
+            target = targets.get(key)
+            if target is None or tuple(target.shape) != tuple(param.shape):
+                raise ValueError(f"dst: expected a parameter {key!r} of shape {tuple(param.shape)}, got "
+                                 f"{None if target is None else tuple(target.shape)}")
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            target.copy_(full)
+            del full
+
     def release(self, model: nn.Module) -> None:
         """Frees the weights that a no-grad forward left gathered (no-op on one device).
 
