@@ -82,15 +82,22 @@ def test_two_cpu_ranks_match_single_device_and_resume_exactly(tmp_path, tune_cli
             assert resumed[key][step] == pytest.approx(dist[key][step], rel=1e-6, abs=1e-9), (step, key)
 
 
+LORA = ["model._component_=logitless.models.lora_qwen2_5_tiny", "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.lora_rank=4", "model.lora_alpha=8", "optimizer.lr=1e-2"]
+
+
 @pytest.mark.slow
-def test_sampling_through_a_rollout_copy_matches_gathered_shards(tmp_path, tune_cli):
+@pytest.mark.parametrize("policy", [[], LORA], ids=["full", "lora"])
+def test_sampling_through_a_rollout_copy_matches_gathered_shards(tmp_path, tune_cli, policy):
     # generation.rollout_copy: the ranks sample with an unsharded copy refreshed from the shards
     # before each sampling phase (training and eval), instead of gathering the shards; same
     # sampler, same weights, so the same completions and the same metrics as the default run.
-    steps = ["max_steps=2", "save_every_n_steps=100"]
+    # LoRA: the frozen base is copied once, the adapters before every phase.
+    steps = ["max_steps=3", "save_every_n_steps=100", *policy]
     gathered = run_two_ranks(tune_cli, tmp_path / "gathered", *steps)
     copied = run_two_ranks(tune_cli, tmp_path / "copied", *steps, "generation.rollout_copy=true")
     assert gathered["eval/accuracy"].keys() == copied["eval/accuracy"].keys() == {2}
+    assert any(gathered["kl"][step] > 0 for step in (2, 3))  # the policy moved between phases
     for key in COMPARED:
         for step in gathered.get(key, {}):
             assert copied[key][step] == pytest.approx(gathered[key][step], rel=1e-6, abs=1e-9), (step, key)

@@ -52,6 +52,16 @@ def test_copy_full_weights_fills_a_same_architecture_model_in_place():
     for k, p in src.state_dict().items():
         assert torch.equal(p, dst.state_dict()[k.replace("._checkpoint_wrapped_module", "")]), k
     assert {k: p.data_ptr() for k, p in dst.named_parameters()} == storage
+    # trainable_only: frozen parameters are left as they are
+    frozen = "tok_embeddings.weight"
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.0)
+    src.tok_embeddings.weight.requires_grad_(False)
+    before = dst.state_dict()[frozen].clone()
+    Runtime.setup("cpu", distributed=False).copy_full_weights(src, dst, trainable_only=True)
+    assert torch.equal(dst.state_dict()[frozen], before)
+    assert torch.equal(dst.state_dict()["norm.scale"], src.state_dict()["norm.scale"])
     other = nn.Module()
     other.tok_embeddings = nn.Embedding(3, 4)
     with pytest.raises(ValueError, match="dst: expected a parameter 'tok_embeddings.weight' of shape"):

@@ -221,7 +221,7 @@ class GRPORecipe:
             model_utils.setup_lora(model)
         # Sharded runs sample through an unsharded copy whose storage never moves (compiled sampler,
         # CUDA graphs); its weights are refreshed from the shards before each sampling phase.
-        self.rollout_model = None
+        self.rollout_model, self._rollout_synced = None, False
         if rollout_copy:
             self.rollout_model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype,
                                                          seed=self.seed).eval().requires_grad_(False)
@@ -286,7 +286,9 @@ class GRPORecipe:
         for the phase (``Runtime.full_weights``; a no-op on one device).
         """
         if self.rollout_model is not None:
-            self.runtime.copy_full_weights(self.model, self.rollout_model)
+            # Frozen weights (a LoRA policy's base) cannot change: copied once.
+            self.runtime.copy_full_weights(self.model, self.rollout_model, trainable_only=self._rollout_synced)
+            self._rollout_synced = True
             yield
             return
         with self.runtime.full_weights(self.model):

@@ -174,7 +174,7 @@ class Runtime:
                 unit.set_reshard_after_forward(self.reshard_after_forward and unit is not root, recurse=False)
 
     @torch.no_grad()
-    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
+    def copy_full_weights(self, src: nn.Module, dst: nn.Module, *, trainable_only: bool = False) -> None:
         """Copies the full weights of ``src`` (possibly sharded) into the same-named parameters of ``dst``.
 
         ``dst`` is an unsharded model of the same architecture, such as the copy of the policy that
@@ -186,6 +186,8 @@ class Runtime:
         Args:
             src (nn.Module): the model being trained (FSDP2-sharded or not).
             dst (nn.Module): an unsharded model with every parameter of ``src``.
+            trainable_only (bool): copy only the parameters that require grad (the others, such
+                as a LoRA policy's frozen base weights, are already in ``dst``).
 
         Raises:
             ValueError: a parameter of ``src`` is missing from ``dst`` or has another shape.
@@ -194,6 +196,8 @@ class Runtime:
 
         targets = dict(dst.named_parameters())
         for name, param in src.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
             key = name.replace("._checkpoint_wrapped_module", "")
             target = targets.get(key)
             if target is None or tuple(target.shape) != tuple(param.shape):
