@@ -45,6 +45,11 @@ def test_sharded_policies_on_cuda_sample_a_rollout_copy_like_one_device():
     assert train.compile is True
     with pytest.raises(ValueError, match="generation.rollout_copy must be one of"):
         uses_rollout_copy({"rollout_copy": "yes"}, cuda, sharded=True)
+    # FSDP CPU offload: shards on the CPU; auto samples on the gathered shards, true is refused
+    assert not uses_rollout_copy({}, cuda, sharded=True, cpu_offload=True)
+    assert build_sampler({}, cuda, sharded=True, cpu_offload=True) == (generate, generate)
+    with pytest.raises(ValueError, match="rollout_copy: true does not work with fsdp_cpu_offload"):
+        uses_rollout_copy({"rollout_copy": True}, cuda, sharded=True, cpu_offload=True)
 
 
 @pytest.mark.parametrize("sampler", [generate, fast_generation.FastGenerator(compile=False)], ids=["eager", "fast"])

@@ -154,7 +154,8 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
     on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     try:
-        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed)
+        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
+                      cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
@@ -202,8 +203,10 @@ class GRPORecipe:
         gen = OmegaConf.to_container(cfg.generation, resolve=True)
         gen.setdefault("stop_tokens", list(getattr(self.tokenizer, "stop_tokens", [self.tokenizer.eos_id])))
         sampler_options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
-        self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device, sharded=self.distributed)
-        rollout_copy = uses_rollout_copy(sampler_options, self.device, sharded=self.distributed)
+        offload = bool(cfg.get("fsdp_cpu_offload", False))
+        self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device, sharded=self.distributed,
+                                                            cpu_offload=offload)
+        rollout_copy = uses_rollout_copy(sampler_options, self.device, sharded=self.distributed, cpu_offload=offload)
         self.gen_kwargs = gen
         self.pad_id = self.tokenizer.pad_id if getattr(self.tokenizer, "pad_id", None) is not None else 0
 

@@ -13,7 +13,8 @@ BACKENDS = ("auto", "eager", "fast")
 ROLLOUT_COPY = ("auto", True, False)
 
 
-def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded: bool) -> bool:
+def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded: bool,
+                      cpu_offload: bool = False) -> bool:
     """Whether a sharded policy is sampled through an unsharded copy (``generation.rollout_copy``).
 
     Under FSDP2 the gathered weights get new storage at every gather, which the fast sampler's
@@ -21,20 +22,30 @@ def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded:
     the shards before each sampling phase (:meth:`Runtime.copy_full_weights`), keeps one storage,
     so the compiled sampler runs as on one GPU. The cost is one full copy of the policy per rank
     for the whole run, instead of only while sampling. ``auto`` uses the copy with the fast
-    backend on CUDA. The option is ignored on one device.
+    backend on CUDA, unless FSDP's CPU offload is on: that run saves GPU memory, and its CPU shards
+    cannot be gathered into a GPU copy. The option is ignored on one device.
 
     Args:
         options (Dict[str, Any]): the sampler keys of ``generation:``.
         device (torch.device): where the policy lives.
         sharded (bool): the policy is FSDP2-sharded.
+        cpu_offload (bool): FSDP2 keeps the shards on the CPU (``fsdp_cpu_offload``).
 
     Returns:
         bool: sample through a copy.
+
+    Raises:
+        ValueError: an unknown value, or ``true`` with CPU offload.
     """
     choice = options.get("rollout_copy", "auto")
     if choice not in ROLLOUT_COPY:
         raise ValueError(f"generation.rollout_copy must be one of {ROLLOUT_COPY}, got {choice!r}")
     if not sharded:
+        return False
+    if cpu_offload:
+        if choice is True:
+            raise ValueError("generation.rollout_copy: true does not work with fsdp_cpu_offload: true (the "
+                             "shards live on the CPU); use rollout_copy: auto or false")
         return False
     if choice == "auto":
         return options.get("backend", "auto") in ("auto", "fast") and device.type == "cuda"
@@ -42,7 +53,7 @@ def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded:
 
 
 def build_sampler(options: Dict[str, Any], device: torch.device, *,
-                  sharded: bool = False) -> Tuple[Callable, Callable]:
+                  sharded: bool = False, cpu_offload: bool = False) -> Tuple[Callable, Callable]:
     """Returns ``(train_sampler, eval_sampler)``, both with :func:`logitless.rl.generation.generate`'s call.
 
     Args:
@@ -55,6 +66,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             the weights gathered for the call (``Runtime.full_weights``), which get new storage at
             every gather, which a captured CUDA graph cannot follow. Then ``auto`` means ``eager``
             and ``fast`` runs uncompiled (``compile: true`` is refused).
+        cpu_offload (bool): FSDP2 keeps the shards on the CPU (no rollout copy then).
 
     Returns:
         Tuple[Callable, Callable]: the sampler of the training rollouts and the one of the greedy
@@ -66,7 +78,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
     backend = options.get("backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"generation.backend must be one of {BACKENDS}, got {backend!r}")
-    if uses_rollout_copy(options, device, sharded=sharded):
+    if uses_rollout_copy(options, device, sharded=sharded, cpu_offload=cpu_offload):
         sharded = False  # the samplers run on the unsharded copy
     if sharded and options.get("compile"):
         raise ValueError("generation.compile: true is not supported with FSDP without a rollout copy (the "
