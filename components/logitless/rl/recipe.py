@@ -7,15 +7,17 @@ reward functions, compute group-relative advantages, then run ``num_iterations``
 the batch in micro-batches of ``micro_batch_size`` completions with ``logitless.losses.GRPOLoss``.
 
 Distributed, the step's prompts are split contiguously over the ranks (a group never spans two).
-Each rank samples its share with the policy's weights gathered for the call
-(``Runtime.full_weights``) and scores it; the per-completion rewards, lengths and truncation flags
+Each rank samples its share with an unsharded rollout copy of the policy, refreshed from the
+shards before each sampling phase (``generation.rollout_copy``; the compiled sampler needs weights
+whose storage never moves), or else with the shards gathered for the call (``Runtime.full_weights``),
+and scores it; the per-completion rewards, lengths and truncation flags
 are gathered, so advantages (``advantage_scale: batch`` included) and every logged metric are
 those of the whole batch; the update normalises over the global batch (``grpo_update``). Sampling
 draws from one random stream per prompt, seeded by ``(seed, step, prompt index)``, so the run
 samples the same completions as one device does, whatever the number of ranks.
 
 Set-up order: validate the whole config -> process group / device / seed -> tokenizer, data,
-rewards -> policy (+ weights, LoRA freeze) -> reference (frozen copy, or adapters disabled for LoRA;
+rewards -> policy (+ weights, LoRA freeze) -> rollout copy (sharded runs) -> reference (frozen copy, or adapters disabled for LoRA;
 only if beta > 0) -> resume -> FSDP2 -> optimizer -> loop. Checkpoints, resume, sharding, metric
 logging and the progress bar come from :mod:`logitless.training`; everything GRPO-specific from
 :mod:`logitless.rl`.
