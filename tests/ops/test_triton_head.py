@@ -189,6 +189,37 @@ def test_caller_count_of_valid_rows_gives_the_counted_result(ignore_frac, ce_pat
     assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
 
 
+def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
+    # Without dW nothing is rounded across chunks, so cross-entropy and the token objective keep
+    # the one-pass path (logits, dlogits, dh: no recompute) even past FUSED_MAX_CHUNKS.
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 0)
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the recompute backward ran")
+
+    monkeypatch.setattr(head, "_slab_backward", no_recompute)
+    hidden, weight, labels = _inputs(29, 12, 65, seed=12, ignore_frac=0.3)
+    weight.requires_grad_(False)
+    h64, w64 = _ref64(hidden, weight)
+    w64.requires_grad_(False)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                  temperature=0.8)
+    loss.backward()
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction="mean",
+                                  temperature=0.8)
+    ref.backward()
+    assert _rel(loss, ref) < TOL and _rel(hidden.grad, h64.grad) < TOL
+    hidden.grad, h64.grad = None, None
+    adv = torch.randn(29, generator=torch.Generator().manual_seed(3))
+    objective = lambda lp, ent, rows: -(adv.to(lp.device)[rows] * lp).sum()  # noqa: E731
+    value, _, _ = T.linear_token_objective(hidden, weight, labels, objective, ignore_index=IGN,
+                                           temperature=0.8, need_entropy=False)
+    value.backward()
+    lp64, _ = reference.log_probs(h64, w64, labels.cpu(), ignore_index=IGN, temperature=0.8)
+    (-(adv.double() * lp64).sum()).backward()
+    assert _rel(hidden.grad, h64.grad) < TOL
+
+
 def test_second_backward_through_fused_ce_raises():
     hidden, weight, labels = _inputs(8, 8, 21, seed=7)
     loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="sum",

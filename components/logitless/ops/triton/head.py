@@ -12,7 +12,8 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   recomputed logits -> ``dlogits_kernel`` in place -> ``dh_block += dl @ W[slab]`` (fp32
   accumulator) and ``dW[slab] (+)= dl.T @ h_block`` (one rounding per row block). Three GEMMs.
 * cross-entropy with a scalar upstream (``ce_fused``): gradients computed in the forward. When the
-  valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, one pass per chunk:
+  valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
+  frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
   chunk). Otherwise the two passes above (4 GEMMs, dW rounded once per row block): more rounding
   steps of dW cost more accuracy than plain PyTorch's at 152k vocabularies (measured,
@@ -431,7 +432,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
-    if -(-rows // n_c) > FUSED_MAX_CHUNKS:
+    if need_dw and -(-rows // n_c) > FUSED_MAX_CHUNKS:
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
         # row block of thousands of rows.
