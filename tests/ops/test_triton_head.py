@@ -220,6 +220,64 @@ def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
     assert _rel(hidden.grad, h64.grad) < TOL
 
 
+@pytest.mark.parametrize("n, ignore_frac, reduction, temperature", [
+    (40, 0.2, "mean", 1.0),   # compacted rows: a 16-row cached block, then 8-row chunks
+    (40, 0.0, "sum", 0.7),    # no ignored row
+    (14, 0.0, "mean", 1.3),   # every row fits in the cached block
+])
+def test_one_pass_ce_with_the_first_block_cached_in_dw(monkeypatch, n, ignore_frac, reduction, temperature):
+    # The first block's logits live (transposed) in dW's unwritten buffer: pass 1 takes the
+    # statistics, pass 2 walks V slabs from the end writing dW over the consumed logits. Its
+    # results equal float64, and those of the uncached one-pass path.
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", 8 * 65 * 4)  # 8-row chunks of V = 65 (fp32)
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 1000)
+    monkeypatch.setattr(head, "CACHED_SLAB", 24)  # several V slabs in the statistics pass
+    monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", True)
+    used = []
+    cached_block = head._cached_block
+    monkeypatch.setattr(head, "_cached_block", lambda *a: used.append(a[4]) or cached_block(*a))
+    hidden, weight, labels = _inputs(n, 16, 65, seed=13, ignore_frac=ignore_frac)
+    h64, w64 = _ref64(hidden, weight)
+    loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction=reduction,
+                                  temperature=temperature)
+    loss.backward()
+    valid = int((labels != IGN).sum())
+    assert used == [min(valid, 16)]
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction=reduction,
+                                  temperature=temperature)
+    ref.backward()
+    assert _rel(loss, ref) < TOL
+    assert _rel(hidden.grad, h64.grad) < TOL and _rel(weight.grad, w64.grad) < TOL
+    got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", False)
+    hidden.grad = weight.grad = None
+    uncached = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction=reduction,
+                                      temperature=temperature)
+    uncached.backward()
+    assert used == [min(valid, 16)]  # not called again
+    for a, b in zip(got, (uncached.detach(), hidden.grad, weight.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_block_without_dh(monkeypatch):
+    # A frozen hidden (dh not wanted): the cached block still writes dW and the loss.
+    monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", True)
+    hidden, weight, labels = _inputs(30, 16, 65, seed=14, ignore_frac=0.0)
+    hidden.requires_grad_(False)
+    h64, w64 = _ref64(hidden, weight)
+    saved = head.WORKSPACE_BYTES, head.FUSED_MAX_CHUNKS
+    head.WORKSPACE_BYTES, head.FUSED_MAX_CHUNKS = 8 * 65 * 4, 1000
+    try:
+        loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="mean",
+                                      temperature=1.0)
+        loss.backward()
+    finally:
+        head.WORKSPACE_BYTES, head.FUSED_MAX_CHUNKS = saved
+    ref = reference.cross_entropy(h64, w64, labels.cpu(), ignore_index=IGN, reduction="mean")
+    ref.backward()
+    assert _rel(loss, ref) < TOL and _rel(weight.grad, w64.grad) < TOL
+
+
 def test_second_backward_through_fused_ce_raises():
     hidden, weight, labels = _inputs(8, 8, 21, seed=7)
     loss = T.linear_cross_entropy(hidden, weight, labels, ignore_index=IGN, reduction="sum",

@@ -172,3 +172,40 @@ def test_second_backward_and_bad_objective_raise():
         logitless.ops.linear_token_objective(h, w, labels.to(DEV), "not callable", impl="triton")
     with pytest.raises(ValueError, match="need_entropy"):
         logitless.ops.linear_token_objective(h, w, labels.to(DEV), lambda *a: a[0].sum(), need_entropy=1)
+
+
+@pytest.mark.parametrize("need_entropy", [True, False])
+def test_cached_first_block_then_chunks(monkeypatch, need_entropy):
+    # H = 8 < the valid rows: the first 8 valid rows take the cached block (logits in dW's buffer),
+    # the rest 10-row chunks; the objective sees each row once; float64 gradients.
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 1000)
+    monkeypatch.setattr(head, "CACHED_SLAB", 24)  # several V slabs in the statistics pass
+    monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", True)
+    blocks = []
+    cached_block = head._cached_block
+    monkeypatch.setattr(head, "_cached_block", lambda *a: blocks.append(a[4]) or cached_block(*a))
+    n, hd, v, temperature = 41, 8, 151, 0.9
+    hidden, weight, labels, consts = _inputs(n, hd, v, seed=5)
+    valid = labels != IGN
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
+    want = _policy_terms(lp[valid], ent[valid] if need_entropy else None,
+                         {k: c[valid] for k, c in consts.items()}, 0.05)
+    want.backward()
+    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
+    seen = []
+
+    def objective(lp, ent, rows):
+        seen.append(rows.cpu())
+        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+
+    h = hidden.float().to(DEV).requires_grad_()
+    w = weight.float().to(DEV).requires_grad_()
+    got, got_lp, _ = T.linear_token_objective(h, w, labels.to(DEV), objective, ignore_index=IGN,
+                                              temperature=temperature, need_entropy=need_entropy)
+    got.backward()
+    assert blocks == [hd]
+    assert abs(float(got) - float(want)) <= TOL * max(abs(float(want)), 1e-3)
+    assert _rel(got_lp, lp) < TOL
+    assert _rel(h.grad, h64.grad) < TOL and _rel(w.grad, w64.grad) < TOL
+    assert torch.equal(torch.cat(seen).sort().values, torch.nonzero(valid).squeeze(1))

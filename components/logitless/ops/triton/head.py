@@ -15,9 +15,12 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
   frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
-  chunk). Otherwise the two passes above (4 GEMMs, dW rounded once per row block): more rounding
-  steps of dW cost more accuracy than plain PyTorch's at 152k vocabularies (measured,
-  docs/performance.md).
+  chunk). Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``, not yet measured on a GPU): the first
+  block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
+  (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
+  dW once, so fewer chunks follow (7B head, 8192 rows: 1 + 6 instead of 11). Otherwise the
+  two passes above (4 GEMMs, dW rounded once per row block): more rounding steps of dW cost more
+  accuracy than plain PyTorch's at 152k vocabularies (measured, docs/performance.md).
 
 Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTES``, 224 MiB;
 ``F`` = ``FORWARD_WORKSPACE_BYTES``, 80 MiB)::
@@ -25,7 +28,8 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
     forward only:   rows_f * cols_f * itemsize <= F   (+ N * 28 bytes of per-row fp32 state/outputs)
     recompute bwd:  rows_b * cols_b * itemsize + rows_b * H * 4 <= B   (+ rows_b * H * itemsize for
                     the gathered rows when some are ignored)
-    fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk)
+    fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
+                    its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B
 
 At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 MiB), backward
 8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
@@ -46,6 +50,10 @@ FORWARD_WORKSPACE_BYTES = int(_ENV("LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", "80"
 #: Cross-entropy with a scalar upstream uses the one-pass, 3-GEMM path when the valid rows fit in
 #: at most this many row chunks (dW is rounded once per chunk), else the 2-pass, 4-GEMM path.
 FUSED_MAX_CHUNKS = int(_ENV("LOGITLESS_TRITON_FUSED_MAX_CHUNKS", "8"))
+#: One-pass CE: keep the first block's logits in dW's still-unwritten buffer (``cached_block_rows``).
+#: Opt-in: tested against float64 in the CPU interpreter, not yet measured on a GPU (the
+#: transposed-tile kernels were written after this session's device time ran out).
+CACHE_FIRST_BLOCK = _ENV("LOGITLESS_TRITON_CACHE_FIRST_BLOCK", "0") == "1"
 #: Forward-only tiles: at most this many rows per block, V slabs at least this wide.
 MAX_BLOCK_ROWS = 4096
 MIN_SLAB = 2048
@@ -123,17 +131,17 @@ def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Op
 class _Chunks:
     """Iterates row chunks: yields ``(h_c, idx_c, start, logits_view)`` over a reused buffer."""
 
-    def __init__(self, hidden, weight, idx, budget):
-        self.hidden, self.weight, self.idx = hidden, weight, idx
+    def __init__(self, hidden, weight, idx, budget, first=0):
+        self.hidden, self.weight, self.idx, self.first = hidden, weight, idx, first
         self.rows = hidden.shape[0] if idx is None else idx.numel()
         vocab = weight.shape[0]
-        self.n_c = chunk_rows(self.rows, vocab, hidden.element_size(), budget)
-        self.buf = hidden.new_empty((self.n_c, vocab)) if self.rows else None
+        self.n_c = chunk_rows(self.rows - first, vocab, hidden.element_size(), budget)
+        self.buf = hidden.new_empty((self.n_c, vocab)) if self.rows > first else None
         self.splits, self.span = _num_splits(self.n_c, vocab, hidden.device)
         self.part = hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
 
     def __iter__(self):
-        for start in range(0, self.rows, self.n_c):
+        for start in range(self.first, self.rows, self.n_c):
             end = min(start + self.n_c, self.rows)
             if self.idx is None:
                 h_c, idx_c = self.hidden[start:end], None
@@ -267,7 +275,7 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
                 ch = _Tile(*_num_splits(block_rows, v1 - v0, hidden.device), part)
             _row_stats(ch, logits, inv_t)
             kernels.merge_slab_kernel[(r1 - r0,)](
-                logits, logits.stride(0), part, state, z_y, labels,
+                logits, logits.stride(0), 1, part, state, z_y, labels,
                 idx if idx is not None else labels, r0, v0, v1 - v0, inv_t, ignore_index,
                 NUM_SPLITS=ch.splits, HAS_IDX=idx is not None, FIRST=v0 == 0, num_warps=1,
             )
@@ -410,6 +418,131 @@ def _grad_buffer(like, needed, zero):
     return torch.zeros_like(like) if zero else torch.empty_like(like)
 
 
+def cached_block_rows(rows: int, n_c: int, hid: int, need_dw: bool) -> int:
+    """Rows of the one-pass CE's first block, whose logits are cached in dW's buffer (0: none).
+
+    dW's buffer ``(V, H)`` is free until dW is first written, so the logits of up to ``H`` rows
+    fit there, transposed ``(V, rows)``. That first block then costs no workspace and is rounded
+    into dW once, so fewer small chunks follow: at the 7B head (8192 rows, H = 3584, 768-row
+    chunks) 1 + 6 roundings of dW instead of 11. Used when dW is wanted and the rows need more
+    than one chunk; at most ``WORKSPACE_BYTES / (8 H)`` rows, so that the block's fp32 dh
+    accumulator takes at most half of the workspace.
+
+    Args:
+        rows (int): valid rows. n_c (int): rows per regular chunk. hid (int): H.
+        need_dw (bool): dW is computed.
+
+    Returns:
+        int: rows of the cached block.
+
+    Example:
+        >>> cached_block_rows(8192, 768, 3584, True)  # with LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1
+        3584
+    """
+    if not (CACHE_FIRST_BLOCK and need_dw) or rows <= n_c:
+        return 0
+    return max(0, min(rows, hid, WORKSPACE_BYTES // (8 * hid)))
+
+
+#: 2-D blocks of the transposed-tile kernels (the CPU interpreter uses small ones).
+T_BLOCK_S, T_BLOCK_R = (8, 8) if _ENV("TRITON_INTERPRET", "0") == "1" else (64, 64)
+#: V rows per GEMM of the cached block's statistics pass (its logits go straight into dW's buffer).
+CACHED_SLAB = 8192
+
+
+def _t_geometry(s_rows, r_cols, device):
+    # Programs over (column blocks, S splits) to keep every SM streaming; returns (splits, span).
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    col_blocks = -(-r_cols // T_BLOCK_R)
+    splits = max(1, min(-(-PROGRAMS_PER_SM * sms // col_blocks), -(-s_rows // T_BLOCK_S), 32))
+    span = -(-(-(-s_rows // splits)) // T_BLOCK_S) * T_BLOCK_S
+    return -(-s_rows // span), span
+
+
+def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, dw, upstream):
+    """The one-pass path on the first ``rows_b`` valid rows with their logits kept in ``dw``'s buffer.
+
+    ``upstream(logp_b, ent_b, rows)`` gives the gradient of the objective w.r.t. the block's
+    log-probs and entropies once they are known: ``(coef, None, None)`` for cross-entropy (``coef``
+    a device scalar), ``(None, g_logp_b, g_ent_b)`` for a token objective; ``rows`` are the block's
+    row indices among the ``N`` rows.
+
+    Pass 1: for each V slab, ``lt[v0:v1] = W[v0:v1] @ h.T`` straight into
+    ``lt = dw[:V * rows_b].view(V, rows_b)`` (the logits, transposed), ``col_stats_kernel`` and the
+    running per-row state. Pass 2 walks V slabs from the end: ``dlogits_t_kernel`` reads
+    ``lt[v0:v1]`` and writes the gradient into the workspace, ``dh += dl @ W[slab]`` (fp32) and
+    ``dW[v0:v1] = dl.T @ h``, which overwrites only consumed logits: it spans elements
+    ``[v0 H, v1 H)``, the unconsumed ``lt`` rows ``[0, v0 rows_b)``, and ``rows_b <= H``. Three
+    GEMMs, no recompute, no transposed copy; returns fp32 ``(logp, ent, lse)`` of all ``N`` rows
+    (0 outside the block).
+    """
+    n = hidden.shape[0]
+    vocab, hid = weight.shape
+    dev = hidden.device
+    idx_b = None if idx is None else idx[:rows_b]
+    h_b = hidden[:rows_b] if idx_b is None else hidden.index_select(0, idx_b)
+    y_b = labels[:rows_b] if idx_b is None else labels.index_select(0, idx_b)
+    lt = dw.view(-1)[: vocab * rows_b].view(vocab, rows_b)
+    state = hidden.new_empty((rows_b, 3), dtype=torch.float32)
+    z_y = hidden.new_zeros((rows_b,), dtype=torch.float32)
+    for v0 in range(0, vocab, CACHED_SLAB):
+        v1 = min(v0 + CACHED_SLAB, vocab)
+        slab = lt[v0:v1]
+        torch.matmul(weight[v0:v1], h_b.t(), out=slab)
+        splits, span = _t_geometry(v1 - v0, rows_b, dev)
+        part = hidden.new_empty((rows_b, splits, 3), dtype=torch.float32)
+        kernels.col_stats_kernel[(-(-rows_b // T_BLOCK_R), splits)](
+            slab, part, v1 - v0, rows_b, span, inv_t,
+            NUM_SPLITS=splits, BLOCK_S=T_BLOCK_S, BLOCK_R=T_BLOCK_R, num_warps=_NUM_WARPS,
+        )
+        kernels.merge_slab_kernel[(rows_b,)](
+            slab, 1, rows_b, part, state, z_y, y_b, y_b, 0, v0, v1 - v0, inv_t, ignore_index,
+            NUM_SPLITS=splits, HAS_IDX=False, FIRST=v0 == 0, num_warps=1,
+        )
+    logp_b, ent_b, lse_b = (hidden.new_zeros((rows_b,), dtype=torch.float32) for _ in range(3))
+    kernels.finalize_state_kernel[(-(-rows_b // 1024),)](
+        state, z_y, y_b, y_b, logp_b, ent_b, lse_b, rows_b, ignore_index, HAS_IDX=False, BLOCK=1024,
+        num_warps=4,
+    )
+    rows = torch.arange(rows_b, device=dev) if idx_b is None else idx_b
+    coef, glp_b, gent_b = upstream(logp_b, ent_b, rows)
+    need_dh = dh is not None
+    acc = hid * 4 if need_dh else 0
+    itemsize = hidden.element_size()
+    cols = max(MIN_SLAB, (WORKSPACE_BYTES - rows_b * acc) // (rows_b * itemsize))
+    buf = hidden.new_empty((rows_b * min(cols, vocab),))
+    dh32 = hidden.new_empty((rows_b, hid), dtype=torch.float32) if need_dh else None
+    dummy = lse_b
+    for v1 in range(vocab, 0, -cols):
+        v0 = max(0, v1 - cols)
+        dl = buf[: rows_b * (v1 - v0)].view(v1 - v0, rows_b)  # transposed, like lt
+        splits, span = _t_geometry(v1 - v0, rows_b, dev)
+        kernels.dlogits_t_kernel[(-(-rows_b // T_BLOCK_R), splits)](
+            lt[v0:v1], dl, y_b, lse_b, ent_b if gent_b is not None else dummy,
+            glp_b if glp_b is not None else dummy, gent_b if gent_b is not None else dummy,
+            coef if coef is not None else dummy, v1 - v0, rows_b, v0, span, inv_t, ignore_index,
+            MODE_CE=coef is not None, HAS_GLP=glp_b is not None, HAS_GENT=gent_b is not None,
+            BLOCK_S=T_BLOCK_S, BLOCK_R=T_BLOCK_R, num_warps=_NUM_WARPS,
+        )
+        if need_dh:
+            _acc32(dh32, dl.t(), weight[v0:v1], first=v1 == vocab)
+        torch.matmul(dl, h_b, out=dw[v0:v1])
+    if need_dh:
+        if idx_b is None:
+            dh[:rows_b].copy_(dh32)
+        else:
+            dh.index_copy_(0, idx_b, dh32.to(dh.dtype))
+    out = []
+    for t in (logp_b, ent_b, lse_b):
+        full = hidden.new_zeros((n,), dtype=torch.float32)
+        if idx_b is None:
+            full[:rows_b] = t
+        else:
+            full.index_copy_(0, idx_b, t)
+        out.append(full)
+    return tuple(out)
+
+
 def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean: bool,
              need_dh: bool, need_dw: bool, n_valid: int = -1):
     """Cross-entropy with its gradients computed in the same pass (scalar upstream of 1).
@@ -432,7 +565,8 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
-    if need_dw and -(-rows // n_c) > FUSED_MAX_CHUNKS:
+    cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
+    if need_dw and (cached > 0) + -(-(rows - cached) // n_c) > FUSED_MAX_CHUNKS:
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
         # row block of thousands of rows.
@@ -440,13 +574,17 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         dh, dw = _slab_backward(hidden, weight, labels, idx, lse, None, None, None, coef, inv_t,
                                 ignore_index, need_dh, need_dw)
         return -(logp.sum() * coef), dh, dw
-    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES)
     dh = _grad_buffer(hidden, need_dh, zero=idx is not None)
-    dw = _grad_buffer(weight, need_dw, zero=ch.rows == 0)
+    dw = _grad_buffer(weight, need_dw, zero=rows == 0)
+    if cached:
+        logp, ent, lse = _cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
+                                       dh if need_dh else None, dw, lambda *_: (coef, None, None))
+    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)
-        _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None, i == 0)
+        _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
+               i == 0 and not cached)
     loss = -(logp.sum() * coef)
     return loss, dh, dw
 

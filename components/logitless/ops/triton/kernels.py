@@ -11,6 +11,8 @@ between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
   folds each slab's statistics into a running per-row state, then finalizes it.
 * ``finalize_kernel``: merges the splits of a row into ``lse = m + log s``,
   ``entropy = log s - t / s`` and ``logp = z[label] - lse`` (0 at ignored rows).
+* ``col_stats_kernel`` / ``dlogits_t_kernel``: the same two passes over a transposed ``(V slab, rows)``
+  tile (the one-pass CE's cached first block, kept in dW's buffer), in 2-D blocks.
 * ``dlogits_kernel``: overwrites the logits of a chunk with the gradient w.r.t. the raw logits,
   ``(1/T) * (c_lp (onehot - p) - c_ent p (log p + entropy))``, in the logits' dtype, in place.
 * ``scale_kernel``: multiplies a gradient in place by a scalar read on the device (skips when it
@@ -94,7 +96,7 @@ def row_stats_kernel(
 
 @triton.jit
 def merge_slab_kernel(
-    logits_ptr, stride_row, part_ptr, state_ptr, zy_ptr, labels_ptr, idx_ptr, row0,
+    logits_ptr, stride_row, stride_col, part_ptr, state_ptr, zy_ptr, labels_ptr, idx_ptr, row0,
     v0, vlen, inv_t, ignore_index,
     NUM_SPLITS: tl.constexpr, HAS_IDX: tl.constexpr, FIRST: tl.constexpr,
 ):
@@ -120,7 +122,7 @@ def merge_slab_kernel(
     local = label - v0
     inside = (label != ignore_index) & (local >= 0) & (local < vlen)
     safe = tl.where(inside, local, 0).to(tl.int64)
-    z_y = tl.load(logits_ptr + row.to(tl.int64) * stride_row + safe).to(tl.float32) * inv_t
+    z_y = tl.load(logits_ptr + row.to(tl.int64) * stride_row + safe * stride_col).to(tl.float32) * inv_t
     tl.store(zy_ptr + srow, z_y, mask=inside)
 
 
@@ -223,6 +225,89 @@ def dlogits_kernel(
         if HAS_GENT:
             g -= c_ent * p * (logp + ent)
         tl.store(base + cols, g.to(x.dtype), mask=mask)
+
+
+@triton.jit
+def col_stats_kernel(
+    lt_ptr, part_ptr, S, R, span, inv_t,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid ``(cdiv(R, BLOCK_R), NUM_SPLITS)``: per-column partial statistics of a ``(S, R)`` tile.
+
+    The transposed layout of ``row_stats_kernel``: column ``r`` is a row of logits, its
+    vocabulary entries ``[split*span, +span)`` down the tile; ``part[r, split]`` gets (max,
+    sum exp(z - max), sum exp(z - max)(z - max)).
+    """
+    cols = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(1)
+    start = split * span
+    end = tl.minimum(start + span, S)
+    col_ok = cols < R
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    t = tl.zeros([BLOCK_R], tl.float32)
+    offs = tl.arange(0, BLOCK_S)
+    for k in range(start, end, BLOCK_S):
+        rows = k + offs
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        x = tl.load(lt_ptr + rows.to(tl.int64)[:, None] * R + cols[None, :], mask=mask, other=0.0)
+        z = tl.where(mask, x.to(tl.float32) * inv_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        e = tl.exp(z - ref[None, :])
+        alpha = tl.exp(m - ref)
+        t = alpha * (t + tl.where(s > 0, (m - ref) * s, 0.0)) + tl.sum(tl.where(mask, e * (z - ref[None, :]), 0.0), 0)
+        s = alpha * s + tl.sum(e, 0)
+        m = m_new
+    out = part_ptr + (cols.to(tl.int64) * NUM_SPLITS + split) * 3
+    tl.store(out, m, mask=col_ok)
+    tl.store(out + 1, s, mask=col_ok)
+    tl.store(out + 2, t, mask=col_ok)
+
+
+@triton.jit
+def dlogits_t_kernel(
+    lt_ptr, out_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, coef_ptr, S, R, v0, span,
+    inv_t, ignore_index,
+    MODE_CE: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Grid ``(cdiv(R, BLOCK_R), cdiv(S, span))``: ``dlogits_kernel`` on a transposed ``(S, R)`` tile.
+
+    Reads the logits of vocabulary entries ``[v0, v0 + S)`` (rows) for ``R`` token rows (columns)
+    and writes their gradient into ``out`` (same layout), so the tile can be overwritten later.
+    Per-column vectors (labels, LSE, entropy, upstreams) are indexed by column.
+    """
+    cols = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    col_ok = cols < R
+    label = tl.load(labels_ptr + cols, mask=col_ok, other=ignore_index)
+    valid = (label != ignore_index) & col_ok
+    lse = tl.load(lse_ptr + cols, mask=col_ok, other=0.0)
+    if MODE_CE:
+        c_lp = tl.zeros([BLOCK_R], tl.float32) - tl.load(coef_ptr).to(tl.float32)
+    elif HAS_GLP:
+        c_lp = tl.load(glp_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        c_lp = tl.zeros([BLOCK_R], tl.float32)
+    c_lp = tl.where(valid, c_lp, 0.0) * inv_t
+    if HAS_GENT:
+        c_ent = tl.where(valid, tl.load(gent_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), 0.0) * inv_t
+        ent = tl.load(ent_ptr + cols, mask=col_ok, other=0.0)
+    start = tl.program_id(1) * span
+    end = tl.minimum(start + span, S)
+    offs = tl.arange(0, BLOCK_S)
+    for k in range(start, end, BLOCK_S):
+        rows = k + offs
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        addr = rows.to(tl.int64)[:, None] * R + cols[None, :]
+        x = tl.load(lt_ptr + addr, mask=mask, other=0.0)
+        logp = x.to(tl.float32) * inv_t - lse[None, :]
+        p = tl.exp(logp)
+        hit = (rows[:, None] + v0) == label[None, :]
+        g = tl.where(hit, c_lp[None, :], 0.0) - c_lp[None, :] * p
+        if HAS_GENT:
+            g -= c_ent[None, :] * p * (logp + ent[None, :])
+        tl.store(out_ptr + addr, g.to(x.dtype), mask=mask)
 
 
 @triton.jit

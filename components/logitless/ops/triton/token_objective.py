@@ -78,7 +78,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     rows = n if idx is None else idx.numel()
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
-    if not need_grad or (need_dw and -(-rows // n_c) > head.FUSED_MAX_CHUNKS):
+    cached = head.cached_block_rows(rows, n_c, weight.shape[1], need_dw) if need_grad else 0
+    if not need_grad or (need_dw and (cached > 0) + -(-(rows - cached) // n_c) > head.FUSED_MAX_CHUNKS):
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
         logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t, need_grad)
@@ -96,9 +97,18 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
     glp = hidden.new_zeros((n,), dtype=torch.float32)
     gent = hidden.new_zeros((n,), dtype=torch.float32) if need_entropy else None
-    ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES)
     dh = head._grad_buffer(hidden, need_dh, zero=idx is not None)
-    dw = head._grad_buffer(weight, need_dw, zero=ch.rows == 0)
+    dw = head._grad_buffer(weight, need_dw, zero=rows == 0)
+    if cached:  # the first block's logits kept in dW's buffer (head.cached_block_rows)
+
+        def block_upstream(logp_b, ent_b, r):
+            value, a, b = _coefficients(token_objective, logp_b, ent_b if need_entropy else None, r, True)
+            total.add_(value)
+            return None, a, b
+
+        logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
+                                            dh if need_dh else None, dw, block_upstream)
+    ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         r = idx_c if idx_c is not None else torch.arange(start, start + logits.shape[0], device=hidden.device)
@@ -111,7 +121,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
         head._dlogits(ch, logits, idx_c, start, labels, lse, ent if b is not None else None,
                       glp, gent if b is not None else None, None, inv_t, ignore_index)
         head._grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
-                    i == 0)
+                    i == 0 and not cached)
     return total, logp, ent, dh, dw
 
 
