@@ -190,13 +190,15 @@ def test_caller_count_of_valid_rows_gives_the_counted_result(ignore_frac, ce_pat
 
 
 def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
-    # Without dW nothing is rounded across chunks, so cross-entropy and the token objective keep
-    # the one-pass path (logits, dlogits, dh: no recompute) even past FUSED_MAX_CHUNKS.
+    # Without dW nothing is rounded across chunks, so cross-entropy keeps the one-pass path
+    # (logits, dlogits, dh: no recompute) even past FUSED_MAX_CHUNKS. The token objective keeps
+    # its chunk limit (a Python call per chunk) and recomputes: same float64 results.
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 0)
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("the recompute backward ran")
 
+    slab_backward = head._slab_backward
     monkeypatch.setattr(head, "_slab_backward", no_recompute)
     hidden, weight, labels = _inputs(29, 12, 65, seed=12, ignore_frac=0.3)
     weight.requires_grad_(False)
@@ -210,6 +212,7 @@ def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
     ref.backward()
     assert _rel(loss, ref) < TOL and _rel(hidden.grad, h64.grad) < TOL
     hidden.grad, h64.grad = None, None
+    monkeypatch.setattr(head, "_slab_backward", slab_backward)
     adv = torch.randn(29, generator=torch.Generator().manual_seed(3))
     objective = lambda lp, ent, rows: -(adv.to(lp.device)[rows] * lp).sum()  # noqa: E731
     value, _, _ = T.linear_token_objective(hidden, weight, labels, objective, ignore_index=IGN,

@@ -13,10 +13,10 @@ forward plus a recomputing backward (four). Backward only scales dh and dW by th
 
 Paths and workspace are those of :func:`logitless.ops.triton.head.ce_fused`: ignored rows are
 compacted away first; row chunks of full-V logits fit ``head.WORKSPACE_BYTES``; when the valid
-rows need more than ``head.FUSED_MAX_CHUNKS`` chunks and dW is wanted (dW would be rounded to the
-input dtype once per chunk), it falls back to the slab forward + slab backward (4 GEMMs, dW rounded
-once per row block of thousands of rows); a frozen head weight (LoRA) always takes the one pass;
-without gradients only the forward-only slab pass runs (1 GEMM).
+rows need more than ``head.FUSED_MAX_CHUNKS`` chunks (dW would be rounded to the
+input dtype once per chunk; and each chunk calls the Python objective), it falls back to the slab
+forward + slab backward (4 GEMMs, dW rounded once per row block of thousands of rows); without
+gradients only the forward-only slab pass runs (1 GEMM).
 
 ``token_objective`` is a Python callable, so this is a plain ``torch.autograd.Function``, not a
 ``torch.library`` custom op (whose schema cannot carry a callable): ``torch.compile`` graph-breaks
@@ -79,7 +79,10 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
     cached = head.cached_block_rows(rows, n_c, weight.shape[1], need_dw) if need_grad else 0
-    if not need_grad or (need_dw and (cached > 0) + -(-(rows - cached) // n_c) > head.FUSED_MAX_CHUNKS):
+    # Unlike cross-entropy, a frozen head (no dW) does not switch this to one pass at any chunk
+    # count: each chunk calls the Python objective, which made the one pass host-bound at many
+    # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
+    if not need_grad or (cached > 0) + -(-(rows - cached) // n_c) > head.FUSED_MAX_CHUNKS:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
         logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t, need_grad)
