@@ -431,6 +431,23 @@ def _kernel_category(name):
     return "other"  # torch elementwise / index / reduce / copy kernels
 
 
+def head_inputs(shape, device):
+    """bf16 inputs of one head shape (seed 0): ``h, w, y, g_logp, g_ent, generator``.
+
+    Realistic scales: normed hidden ~ N(0, 1), logits with std ~ 2; the generator continues the
+    same stream (for the GRPO constants).
+    """
+    n, hd, v = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(n, hd, device=device, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(v, hd, device=device, generator=gen) * (2.0 / math.sqrt(hd))).to(
+        torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, v, (n,), device=device, generator=gen)
+    g1 = torch.randn(n, device=device, generator=gen)
+    g2 = torch.randn(n, device=device, generator=gen)
+    return h, w, y, g1, g2, gen
+
+
 def _largest_gaps(prof, k):
     """The ``k`` longest stretches with no kernel running: (microseconds, kernel before, after,
     the innermost host ops that span most of the stretch)."""
@@ -466,15 +483,7 @@ def profile_breakdown(shape, out=None, reps=3):
 
     import triton
 
-    n, hd, v = SHAPES[shape]
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    h = torch.randn(n, hd, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(v, hd, device=dev, generator=gen) * (2.0 / math.sqrt(hd))).to(
-        torch.bfloat16).requires_grad_(True)
-    y = torch.randint(0, v, (n,), device=dev, generator=gen)
-    g1 = torch.randn(n, device=dev, generator=gen)
-    g2 = torch.randn(n, device=dev, generator=gen)
+    h, w, y, g1, g2, gen = head_inputs(shape, torch.device("cuda"))
     adv, old = grpo_inputs(h, w, y, gen)
     gemm_ms = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), 10, 3)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
@@ -652,14 +661,7 @@ def main(argv=None):
     rows = _Rows(args.out, fields)
     for shape in args.shapes.split(","):
         n, hd, v = SHAPES[shape]
-        gen = torch.Generator(device=dev).manual_seed(0)
-        # Realistic scales: normed hidden ~ N(0, 1), logits with std ~ 2.
-        h = torch.randn(n, hd, device=dev, generator=gen).to(torch.bfloat16).requires_grad_(True)
-        w = (torch.randn(v, hd, device=dev, generator=gen) * (2.0 / math.sqrt(hd))).to(
-            torch.bfloat16).requires_grad_(True)
-        y = torch.randint(0, v, (n,), device=dev, generator=gen)
-        g1 = torch.randn(n, device=dev, generator=gen)
-        g2 = torch.randn(n, device=dev, generator=gen)
+        h, w, y, g1, g2, gen = head_inputs(shape, dev)
         adv, old = grpo_inputs(h, w, y, gen) if "obj" in modes else (None, None)
         ref = reference64(h, w, y, g1, g2, adv, old)
         torch.cuda.empty_cache()

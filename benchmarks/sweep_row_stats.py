@@ -5,9 +5,6 @@ The forward's only pass over the logits computes, per row, the running max ``m``
 float64):
 
 * ``block``: the shipped kernel: three block-wide reductions per column block.
-* ``lane``: per-lane running (m, s, t) across the whole span (two exps per element, no reduction
-  until the end).
-* ``blockmax``: one block-wide max per column block, per-lane sums rescaled by a scalar.
 * ``lean``: ``block`` with fewer instructions per element (padding loaded as -inf, the shifted
   logit clamped instead of two selects).
 
@@ -16,7 +13,9 @@ float64):
 H100 (``benchmarks/results/row_stats_h100.csv``): ``lean`` is within +-4 % of ``block`` at the tile
 shapes the head uses (4096 x 10240: 1.62 vs 1.56 TB/s; 4096 x 28672: 2.20 vs 2.23; 768 x 152064:
 2.06 vs 1.98), so the kernel is not issue-bound; the small no-grad tiles are launch/tail-bound
-(~50 us kernels). ``block`` stays.
+(~50 us kernels). ``block`` stays. An earlier run of this sweep also tried per-lane running
+statistics (two exps per element, one reduction at the end) and a block-wide max with per-lane
+sums; neither beat ``block`` at any shape, and they were dropped from it.
 """
 
 import itertools
@@ -26,74 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.ops.triton import head, kernels
-
-
-@triton.jit
-def lane_stats_kernel(logits_ptr, stride_row, part_ptr, V, span, inv_t,
-                      NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    start = split * span
-    end = tl.minimum(start + span, V)
-    offs = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    t = tl.zeros([BLOCK_V], tl.float32)
-    for k in range(0, span, BLOCK_V):
-        cols = start + k + offs
-        mask = cols < end
-        x = tl.load(base + cols, mask=mask, other=float("-inf"))
-        z = x.to(tl.float32) * inv_t
-        m_new = tl.maximum(m, z)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - ref)
-        e = tl.exp(z - ref)
-        shift = tl.where(m == float("-inf"), 0.0, m - ref)
-        t = alpha * (t + shift * s) + tl.where(mask, e * (z - ref), 0.0)
-        s = alpha * s + e
-        m = m_new
-    mm = tl.max(m, 0)
-    ref = tl.where(mm == float("-inf"), 0.0, mm)
-    w = tl.exp(m - ref)
-    ss = tl.sum(w * s, 0)
-    tt = tl.sum(tl.where(s > 0, w * (t + (m - ref) * s), 0.0), 0)
-    out = part_ptr + (row.to(tl.int64) * NUM_SPLITS + split) * 3
-    tl.store(out, mm)
-    tl.store(out + 1, ss)
-    tl.store(out + 2, tt)
-
-
-@triton.jit
-def blockmax_stats_kernel(logits_ptr, stride_row, part_ptr, V, span, inv_t,
-                          NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    start = split * span
-    end = tl.minimum(start + span, V)
-    offs = tl.arange(0, BLOCK_V)
-    m = float("-inf")
-    s = tl.zeros([BLOCK_V], tl.float32)
-    t = tl.zeros([BLOCK_V], tl.float32)
-    for k in range(0, span, BLOCK_V):
-        cols = start + k + offs
-        mask = cols < end
-        x = tl.load(base + cols, mask=mask, other=float("-inf"))
-        z = x.to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(z, 0))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - ref)
-        e = tl.exp(z - ref)
-        shift = tl.where(m == float("-inf"), 0.0, m - ref)
-        t = alpha * (t + shift * s) + tl.where(mask, e * (z - ref), 0.0)
-        s = alpha * s + e
-        m = m_new
-    out = part_ptr + (row.to(tl.int64) * NUM_SPLITS + split) * 3
-    tl.store(out, m)
-    tl.store(out + 1, tl.sum(s, 0))
-    tl.store(out + 2, tl.sum(t, 0))
+from logitless.ops.triton import kernels
 
 
 @triton.jit
@@ -179,9 +111,7 @@ def main():
                     x, x.stride(0), part, cols, span, 1.0, NUM_SPLITS=splits, BLOCK_V=block_v,
                     PREFETCH=True, num_warps=warps)
             else:
-                k = {"lane": lane_stats_kernel, "blockmax": blockmax_stats_kernel,
-                     "lean": lean_stats_kernel}[variant]
-                fn = lambda: k[(rows, splits)](  # noqa: E731
+                fn = lambda: lean_stats_kernel[(rows, splits)](  # noqa: E731
                     x, x.stride(0), part, cols, span, 1.0, NUM_SPLITS=splits, BLOCK_V=block_v,
                     num_warps=warps)
             ms = _ms(fn)

@@ -63,6 +63,18 @@ def _policy_terms(lp, ent, c, ent_coef):
     return (terms * c["w"]).sum()
 
 
+def _reference(hidden, weight, labels, consts, temperature, need_entropy):
+    """float64 log-probs and entropies through plain autograd, the objective on the valid rows:
+    ``(h64, w64, lp, ent, want)``, with ``want.backward()`` done."""
+    valid = labels != IGN
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
+    want = _policy_terms(lp[valid], ent[valid] if need_entropy else None,
+                         {k: c[valid] for k, c in consts.items()}, 0.05)
+    want.backward()
+    return h64, w64, lp, ent, want
+
+
 def _rel(a, b):
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
@@ -74,12 +86,7 @@ def test_matches_float64_autograd(need_entropy, v, temperature, path):
     n, hd = 29, 24
     hidden, weight, labels, consts = _inputs(n, hd, v, seed=v)
     valid = labels != IGN
-    # reference: float64 log-probs through plain autograd, the same objective on valid rows
-    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
-    want = _policy_terms(lp[valid], ent[valid] if need_entropy else None,
-                         {k: c[valid] for k, c in consts.items()}, 0.05)
-    want.backward()
+    h64, w64, lp, ent, want = _reference(hidden, weight, labels, consts, temperature, need_entropy)
 
     c32 = {k: c.float().to(DEV) for k, c in consts.items()}
     seen = []
@@ -187,11 +194,7 @@ def test_cached_first_block_then_chunks(monkeypatch, need_entropy):
     n, hd, v, temperature = 41, 8, 151, 0.9
     hidden, weight, labels, consts = _inputs(n, hd, v, seed=5)
     valid = labels != IGN
-    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
-    want = _policy_terms(lp[valid], ent[valid] if need_entropy else None,
-                         {k: c[valid] for k, c in consts.items()}, 0.05)
-    want.backward()
+    h64, w64, lp, _, want = _reference(hidden, weight, labels, consts, temperature, need_entropy)
     c32 = {k: c.float().to(DEV) for k, c in consts.items()}
     seen = []
 

@@ -90,12 +90,14 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
     return max(1, min(rows, n_rows))
 
 
-def _num_splits(rows: int, vocab: int, device: torch.device) -> Tuple[int, int]:
-    # Enough programs to keep every SM streaming even for small chunks: split rows over V.
+def _num_splits(rows: int, vocab: int, device: torch.device, block: int = 0) -> Tuple[int, int]:
+    # Enough programs to keep every SM streaming even for small chunks: split rows over V, in
+    # whole blocks of `block` (BLOCK_V by default) columns. Returns (splits, span).
+    block = block or BLOCK_V
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    blocks = -(-vocab // BLOCK_V)
+    blocks = -(-vocab // block)
     splits = max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // max(rows, 1)), 32))
-    span = -(-blocks // splits) * BLOCK_V
+    span = -(-blocks // splits) * block
     return -(-vocab // span), span
 
 
@@ -451,12 +453,8 @@ CACHED_SLAB = 8192
 
 
 def _t_geometry(s_rows, r_cols, device):
-    # Programs over (column blocks, S splits) to keep every SM streaming; returns (splits, span).
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    col_blocks = -(-r_cols // T_BLOCK_R)
-    splits = max(1, min(-(-PROGRAMS_PER_SM * sms // col_blocks), -(-s_rows // T_BLOCK_S), 32))
-    span = -(-(-(-s_rows // splits)) // T_BLOCK_S) * T_BLOCK_S
-    return -(-s_rows // span), span
+    # A transposed (S, R) tile: column blocks take the place of rows, S is split like V.
+    return _num_splits(-(-r_cols // T_BLOCK_R), s_rows, device, block=T_BLOCK_S)
 
 
 def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, dw, upstream):
