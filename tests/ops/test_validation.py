@@ -34,7 +34,7 @@ def test_bad_tensors(fn, change, match):
 
 @pytest.mark.parametrize("fn", [logitless.linear_cross_entropy, logitless.linear_log_probs])
 @pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": 0.0}, "temperature must be > 0"),
+    ({"temperature": 0.0}, r"temperature must be > 0 \(a finite number in \[0.0001, 10000.0\]\)"),
     ({"temperature": -1.0}, "temperature must be > 0"),
     ({"temperature": float("nan")}, "temperature must be > 0"),
     ({"impl": "cuda"}, "impl must be one of"),
@@ -72,3 +72,88 @@ def test_label_check_returns_the_valid_count_it_read():
     assert _validate.check_head_inputs(hh, w, y, ignore_index=-100) == 3
     assert _validate.check_head_inputs(hh, w, y, ignore_index=-100, check_label_range=False) is None
     assert _validate.check_head_inputs(h[:0], w, y.reshape(-1)[:0], ignore_index=-100) == 0
+
+
+_ENTRIES = {
+    "linear_cross_entropy": lambda h, w, y, **k: logitless.linear_cross_entropy(h, w, y, **k),
+    "linear_log_probs": lambda h, w, y, **k: logitless.linear_log_probs(h, w, y, **k),
+    "linear_token_objective": lambda h, w, y, **k: logitless.ops.linear_token_objective(
+        h, w, y, lambda lp, ent, rows: lp.sum(), **k),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+@pytest.mark.parametrize("shapes,match", [
+    (((4, H), (0, H), (4,)), r"weight must have at least one row \(V >= 1\), got shape \(0, 8\)"),
+    (((4, 0), (V, 0), (4,)), r"hidden size H = weight.shape\[1\] must be >= 1, got shape \(20, 0\)"),
+])
+def test_empty_vocab_or_hidden_is_rejected(entry, shapes, match):
+    (hs, ws, ys) = shapes
+    h, w, y = torch.randn(hs), torch.randn(ws), torch.full(ys, -100)
+    with pytest.raises(ValueError, match=match):
+        _ENTRIES[entry](h, w, y)
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+@pytest.mark.parametrize("temperature", [float("inf"), float("-inf"), 1e-30, 9.9e-5, 1.01e4, 1e30])
+def test_absurd_temperature_is_rejected(entry, temperature):
+    with pytest.raises(ValueError, match=r"temperature must be (> 0 \()?a finite number in \[0.0001, 10000.0\]"):
+        _ENTRIES[entry](*_ok(), temperature=temperature)
+
+
+@pytest.mark.parametrize("entry", sorted(_ENTRIES))
+@pytest.mark.parametrize("temperature", [1e-4, 1e4])
+def test_temperature_bounds_are_inclusive(entry, temperature):
+    out = _ENTRIES[entry](*_ok(), temperature=temperature)
+    value = out[0] if isinstance(out, tuple) else out
+    assert torch.isfinite(value).all()
+
+
+@pytest.mark.parametrize("impl", ["chunked", "torch"])
+def test_zero_tokens_are_legitimate(impl):
+    # N = 0 is an empty micro-batch (e.g. a rank's share of padding): no error, no token contributes.
+    h = torch.randn(0, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    y = torch.zeros(0, dtype=torch.long)
+    loss = logitless.linear_cross_entropy(h, w, y, impl=impl)
+    assert loss.item() == 0.0  # "mean" over no tokens is 0.0, as with every label ignored
+    loss.backward()
+    assert h.grad.shape == (0, H) and torch.count_nonzero(w.grad) == 0
+    assert logitless.linear_cross_entropy(h, w, y, impl=impl, reduction="sum").item() == 0.0
+    assert logitless.linear_cross_entropy(h, w, y, impl=impl, reduction="none").shape == (0,)
+    logp, ent = logitless.linear_log_probs(h, w, y, impl=impl)
+    assert logp.shape == ent.shape == (0,)
+    value, logp, _ = logitless.ops.linear_token_objective(h, w, y, lambda lp, e, r: lp.sum(), impl=impl)
+    assert value.item() == 0.0 and logp.shape == (0,)
+
+
+@pytest.mark.parametrize("entry", ["linear_cross_entropy", "linear_log_probs", "linear_token_objective"])
+def test_chunked_public_entries_check_shapes_and_temperature(entry):
+    # The chunked module's own entries (2-D hidden, 1-D labels) are public too: same checks, no sync.
+    from logitless.ops import chunked
+
+    fn = getattr(chunked, entry)
+    args = (lambda lp, e, r: lp.sum(),) if entry == "linear_token_objective" else ()
+    h, w, y = _ok()
+    with pytest.raises(ValueError, match=r"weight must have at least one row"):
+        fn(h, torch.randn(0, H), torch.full((4,), -100), *args)
+    with pytest.raises(ValueError, match=r"hidden size H"):
+        fn(torch.randn(4, 0), torch.randn(V, 0), y, *args)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number"):
+        fn(h, w, y, *args, temperature=float("inf"))
+
+
+def test_triton_entries_check_shapes_and_temperature():
+    # The fused entries validate their metadata without touching a kernel (runs without a GPU).
+    pytest.importorskip("triton")
+    from logitless.ops import triton as T
+
+    h, w, y = _ok()
+    with pytest.raises(ValueError, match=r"weight must have at least one row"):
+        T.linear_cross_entropy(h, torch.randn(0, H), y, ignore_index=-100, reduction="mean", temperature=1.0)
+    with pytest.raises(ValueError, match=r"hidden size H"):
+        T.linear_log_probs(torch.randn(4, 0), torch.randn(V, 0), y, ignore_index=-100, temperature=1.0,
+                           return_entropy=True)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number"):
+        T.linear_token_objective(h, w, y, lambda lp, e, r: lp.sum(), ignore_index=-100, temperature=1e-30,
+                                 need_entropy=False)

@@ -13,6 +13,14 @@ IMPLS = ("auto", "triton", "chunked", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Temperatures the head ops accept. Every gradient of the head carries a factor 1/T
+# (d/dz of softmax(z/T)): at T = 1e-4 a unit-scale head's dh = (p - onehot) W / T reaches ~2e4,
+# a third of fp16's largest value (65504), and below ~3e-5 it overflows; above 1e4 the softmax of
+# O(10) logits is uniform to within 1e-3, i.e. the logits no longer matter. Anything outside is a
+# typo or a unit mistake (0 for greedy belongs to the sampler, never to a log-prob).
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
 
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
@@ -30,8 +38,31 @@ def check_temperature(temperature: float) -> None:
             f"temperature must be a positive Python float, got {type(temperature).__name__} "
             f"{temperature!r}"
         )
+    bounds = f"a finite number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
     if not temperature > 0:  # also rejects NaN
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        raise ValueError(f"temperature must be > 0 ({bounds}), got {temperature!r}")
+    if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:  # also rejects inf
+        raise ValueError(
+            f"temperature must be {bounds}, got {temperature!r} (the head's gradients scale with "
+            f"1/temperature; logitless.ops._validate.MIN_TEMPERATURE says why)"
+        )
+
+
+def check_head_dims(weight: torch.Tensor) -> None:
+    """Rejects an empty vocabulary (V = 0) or hidden size (H = 0); an empty batch (N = 0) is legal.
+
+    A softmax over no classes is undefined and a head with no features is a model-config mistake;
+    both would otherwise reach a kernel (a division by zero in the chunking, an ambiguous reshape).
+    N = 0 is an empty micro-batch: the ops return empty per-token outputs and a 0.0 loss.
+    """
+    if weight.dim() == 2 and weight.shape[0] < 1:
+        raise ValueError(
+            f"weight must have at least one row (V >= 1), got shape {tuple(weight.shape)}"
+        )
+    if weight.dim() == 2 and weight.shape[1] < 1:
+        raise ValueError(
+            f"hidden size H = weight.shape[1] must be >= 1, got shape {tuple(weight.shape)}"
+        )
 
 
 def check_chunk_size(chunk_size: Optional[int]) -> None:
@@ -87,6 +118,7 @@ def check_head_inputs(
         raise ValueError(
             f"weight must be 2-D (V, H) as nn.Linear stores it, got shape {tuple(weight.shape)}"
         )
+    check_head_dims(weight)
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden must have shape (..., H) with H = weight.shape[1] = {weight.shape[1]}, "

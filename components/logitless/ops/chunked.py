@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops import _validate
+
 # Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
 _BUFFERS_PER_ROW = 3
@@ -237,6 +239,13 @@ class _LinearLogProbs(torch.autograd.Function):
         return dh, (dw.to(weight.dtype) if dw is not None else None), None, None, None, None, None
 
 
+def _check_entry(weight: torch.Tensor, temperature: float) -> None:
+    # The module's public entries are callable directly: the sync-free checks that keep bad sizes
+    # and temperatures from the chunking (dispatch has already run them, and the label scan).
+    _validate.check_head_dims(weight)
+    _validate.check_temperature(temperature)
+
+
 def linear_log_probs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -265,6 +274,7 @@ def linear_log_probs(
     Example:
         >>> logp, ent = linear_log_probs(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
     """
+    _check_entry(weight, temperature)
     rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     return _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, return_entropy, rows)
 
@@ -300,6 +310,7 @@ def linear_cross_entropy(
     Example:
         >>> loss = linear_cross_entropy(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
     """
+    _check_entry(weight, temperature)
     rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduction == "none" or not needs_grad:
@@ -433,6 +444,7 @@ def linear_token_objective(
         >>> loss, logp, _ = linear_token_objective(torch.randn(5, 8, requires_grad=True), torch.randn(11, 8), torch.arange(5), obj)
         >>> loss.backward()
     """
+    _check_entry(weight, temperature)
     rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     return _LinearTokenObjective.apply(
         hidden, weight, labels, ignore_index, temperature, token_objective, need_entropy, rows

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops import _validate
 from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch.library ops)
 from logitless.ops.triton.head import chunk_rows
 from logitless.ops.triton.token_objective import linear_token_objective
@@ -55,8 +56,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tem
             f"triton head: shapes do not match: hidden {tuple(hidden.shape)}, weight "
             f"{tuple(weight.shape)}, labels {tuple(labels.shape)}"
         )
-    if not temperature > 0:
-        raise ValueError(f"triton head: temperature must be > 0, got {temperature}")
+    _validate.check_head_dims(weight)
+    _validate.check_temperature(temperature)
 
 
 def _prep(hidden, weight, labels):
