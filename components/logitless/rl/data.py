@@ -29,6 +29,7 @@ class PromptDataset(Dataset):
         fields (Dict[str, Sequence]): other columns, each as long as ``prompts``.
         max_prompt_tokens (Optional[int]): length limit.
         overflow (str): ``"skip" | "truncate" | "error"`` for prompts over the limit.
+        source (str): where the prompts come from (a file or hub id), named in error messages.
 
     Example:
         >>> ds = PromptDataset(["1+1="], [[16, 10, 16, 28]], {"answer": ["2"]})
@@ -38,7 +39,7 @@ class PromptDataset(Dataset):
 
     def __init__(self, prompts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
                  fields: Optional[Dict[str, Sequence[Any]]] = None, *,
-                 max_prompt_tokens: Optional[int] = None, overflow: str = "skip"):
+                 max_prompt_tokens: Optional[int] = None, overflow: str = "skip", source: str = ""):
         if overflow not in _OVERFLOW:
             raise ValueError(f"overflow must be one of {_OVERFLOW}, got {overflow!r}")
         fields = dict(fields or {})
@@ -49,13 +50,14 @@ class PromptDataset(Dataset):
             raise ValueError(f"got {len(prompt_tokens)} token lists for {len(prompts)} prompts")
         self.rows: List[Dict[str, Any]] = []
         self.num_skipped = self.num_truncated = 0
+        where = f" of {source!r}" if source else ""
         for i, (text, toks) in enumerate(zip(prompts, prompt_tokens)):
             toks = list(toks)
             if not toks:
-                raise ValueError(f"prompt {i} tokenises to nothing: {text!r}")
+                raise ValueError(f"prompt {i}{where} tokenises to nothing: {text!r}; expected a non-empty prompt")
             if max_prompt_tokens is not None and len(toks) > max_prompt_tokens:
                 if overflow == "error":
-                    raise ValueError(f"prompt {i} has {len(toks)} tokens, more than max_prompt_tokens="
+                    raise ValueError(f"prompt {i}{where} has {len(toks)} tokens, more than max_prompt_tokens="
                                      f"{max_prompt_tokens}; raise the limit or set overflow to skip/truncate")
                 if overflow == "skip":
                     self.num_skipped += 1
@@ -131,15 +133,23 @@ def gsm8k_dataset(
         raw = datasets.load_dataset(source, data_files=data_files, split=split)
     else:
         raw = datasets.load_dataset(source, name, split=split)
+    where = str(data_files if data_files is not None else source)
     for col in (question_column, answer_column):
         if col not in raw.column_names:
-            raise ValueError(f"GSM8K source {source!r} has no column {col!r}; columns: {raw.column_names}")
+            raise ValueError(f"GSM8K source {where!r} has no column {col!r}; columns: {raw.column_names}")
     if num_samples is not None:
         raw = raw.select(range(min(num_samples, len(raw))))
-    questions = [str(q) for q in raw[question_column]]
+    for i, (q, a) in enumerate(zip(raw[question_column], raw[answer_column])):
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"GSM8K source {where!r}: row {i} has {question_column!r} = {q!r}; "
+                             f"expected a non-empty string")
+        if a is None or (isinstance(a, str) and not a.strip()):
+            raise ValueError(f"GSM8K source {where!r}: row {i} has {answer_column!r} = {a!r}; expected an answer")
+    questions = list(raw[question_column])
     tokens = [_encode(tokenizer, q, system_prompt, chat) for q in questions]
     return PromptDataset(questions, tokens, {"answer": list(raw[answer_column])},
-                         max_prompt_tokens=max_prompt_tokens, overflow=overflow)
+                         max_prompt_tokens=max_prompt_tokens, overflow=overflow,
+                         source=where)
 
 
 def arithmetic_pairs(max_sum: int = 9, b_values: Optional[Sequence[int]] = None) -> List[tuple]:

@@ -16,7 +16,8 @@ those of the whole batch; the update normalises over the global batch (``grpo_up
 draws from one random stream per prompt, seeded by ``(seed, step, prompt index)``, so the run
 samples the same completions as one device does, whatever the number of ranks.
 
-Set-up order: validate the whole config -> process group / device / seed -> tokenizer, data,
+Set-up order: validate the whole config -> process group / device / seed -> tokenizer, data (every
+prompt's length checked against the model's max_seq_len: :mod:`logitless.rl.preflight`),
 rewards -> policy (+ weights, LoRA freeze) -> rollout copy (sharded runs) -> reference (frozen copy, or adapters disabled for LoRA;
 only if beta > 0) -> resume -> FSDP2 -> optimizer -> loop. Checkpoints, resume, sharding, metric
 logging and the progress bar come from :mod:`logitless.training`; everything GRPO-specific from
@@ -34,9 +35,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 from torchtune import training as tt_training
+from torchtune.utils import get_logger
 
 from logitless.rl.advantages import group_advantages
 from logitless.rl.metrics import rollout_metrics
+from logitless.rl.preflight import check_generation, check_stop_tokens, fit_prompt_dataset
 from logitless.rl.reference import build_reference
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler, uses_rollout_copy
@@ -46,9 +49,11 @@ from logitless.rl.shared_batch import (ATTENTION_SETTINGS, PROMPT_SHARING, flex_
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
+from logitless.training.cli import report_errors
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.distributed import FSDP_KEYS, Runtime, launched_world_size
 from logitless.training.metric_logging import build_metric_logger
+from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer, instantiate_dataset, model_limits
 from logitless.training.progress import ProgressBar, peak_memory_gib
 
 GRPO_SCHEMA: Dict[str, Key] = {
@@ -94,6 +99,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "eval_num_prompts": Key((int, None), default=None, min=1),
     "eval_batch_size": Key(int, default=64, min=1),
     "eval_reward": Key((str, None), default=None, doc="reward whose mean is eval accuracy (default: first)"),
+    "on_too_long": Key(str, default="drop", choices=ON_TOO_LONG,
+                       doc="prompts with prompt + max_new_tokens > the model's max_seq_len: drop, keep their end "
+                           "(truncate), or stop with an error; counts are logged at start"),
 }
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
 
@@ -128,6 +136,9 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     unknown = set(gen.keys()) - _GEN_KEYS
     if unknown:
         raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
+    check_generation(gen)
+    check_device(cfg.device)
+    check_optimizer(cfg.optimizer)
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
                           f"over {world_size} ranks; expected a multiple of the world size {world_size}")
@@ -148,8 +159,6 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
         raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
                           f"the log-probs must use the sampling temperature (set loss.temperature: "
                           f"${{generation.temperature}})")
-    if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
-        raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
     if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
                           f"CUDA available: {torch.cuda.is_available()}); use 'sdpa'")
@@ -197,13 +206,17 @@ class GRPORecipe:
         self.flex_ok = flex_available(self.device)
         self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
         self.seed = tt_training.set_seed(cfg.seed)
-        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
-        self.dataset = tt_config.instantiate(cfg.dataset, self.tokenizer)
-        self.eval_dataset = (tt_config.instantiate(cfg.eval_dataset, self.tokenizer)
+        self.tokenizer = instantiate_dataset(cfg.tokenizer, "tokenizer")
+        self.dataset = instantiate_dataset(cfg.dataset, "dataset", self.tokenizer)
+        self.eval_dataset = (instantiate_dataset(cfg.eval_dataset, "eval_dataset", self.tokenizer)
                              if cfg.eval_dataset is not None and cfg.eval_every_n_steps is not None else None)
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         gen = OmegaConf.to_container(cfg.generation, resolve=True)
+        limits = model_limits(cfg.model)
+        check_stop_tokens(gen.get("stop_tokens", []), limits.vocab_size, "generation.stop_tokens")
         gen.setdefault("stop_tokens", list(getattr(self.tokenizer, "stop_tokens", [self.tokenizer.eos_id])))
+        check_stop_tokens(gen["stop_tokens"], limits.vocab_size, "tokenizer")
+        self._fit_prompts(limits.max_seq_len, gen)
         sampler_options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
         offload = bool(cfg.get("fsdp_cpu_offload", False))
         self.sample_fn, self.eval_sample_fn = build_sampler(sampler_options, self.device, sharded=self.distributed,
@@ -260,6 +273,20 @@ class GRPORecipe:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             set_rng_state(self.runtime.own_rng_state(state["rng"]))
         return state
+
+    def _fit_prompts(self, max_seq_len: Optional[int], gen: Dict[str, Any]) -> None:
+        """Checks every prompt (training and eval) against the sampler's length limit, at start."""
+        known = [v for v in (max_seq_len, gen.get("max_cache_len")) if v is not None]
+        limit = min(known) if known else None
+        for key in ("dataset", "eval_dataset"):
+            ds = getattr(self, key)
+            if ds is None:
+                continue
+            ds, report = fit_prompt_dataset(ds, max_seq_len=limit, max_new_tokens=gen["max_new_tokens"],
+                                            on_too_long=self.cfg.on_too_long, key=key)
+            setattr(self, key, ds)
+            if self.runtime.is_rank_zero:
+                get_logger("INFO").info(report.message(key))
 
     def _resume_dir(self):
         r = self.cfg.resume_from_checkpoint
@@ -446,6 +473,9 @@ class GRPORecipe:
         return self.history
 
 
+@report_errors
 def recipe_main(cfg: DictConfig, *, distributed: bool = False) -> None:
-    """Entry point of ``recipes/grpo_single_device.py`` and ``recipes/grpo_distributed.py``."""
+    """Entry point of ``recipes/grpo_single_device.py`` and ``recipes/grpo_distributed.py``; a
+    ConfigError ends the run with one line on stderr and exit status 2
+    (:func:`~logitless.training.cli.report_errors`)."""
     GRPORecipe(cfg, distributed=distributed).run()

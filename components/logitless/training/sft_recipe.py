@@ -2,9 +2,10 @@
 ``full_sft_distributed``: the recipe files only choose ``lora`` and ``distributed``.
 
 Order of set-up (nothing is built before the whole config is validated):
-validate config -> process group / device / seed -> tokenizer -> model (+ weights) -> LoRA freeze ->
+validate config -> process group / device / seed -> tokenizer, dataset and every row's length
+(:func:`~logitless.training.preflight.fit_sft_dataset`) -> model (+ weights) -> LoRA freeze ->
 loss protocol (``loss_fn.set_model_output``) -> activation checkpointing -> compile -> FSDP2 ->
-optimizer / LR schedule -> data -> resume state -> train loop (TrainStep) -> checkpoints.
+optimizer / LR schedule -> data loader -> resume state -> train loop (TrainStep) -> checkpoints.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ from omegaconf import DictConfig
 from torchtune import config as tt_config
 from torchtune import training as tt_training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+from torchtune.utils import get_logger
 
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
+from logitless.training.cli import report_errors
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.data import batch_to_device, build_dataloader
 from logitless.training.distributed import FSDP_KEYS, Runtime
 from logitless.training.metric_logging import build_metric_logger
+from logitless.training.preflight import (ON_TOO_LONG, check_device, check_optimizer, fit_sft_dataset,
+                                          instantiate_dataset, model_limits)
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.sft import SFTObjective
 from logitless.training.step import TrainStep
@@ -60,6 +65,9 @@ SFT_SCHEMA: Dict[str, Key] = {
     "save_final_checkpoint": Key(bool, default=True),
     "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
     "num_workers": Key(int, default=0, min=0),
+    "on_too_long": Key(str, default="truncate", choices=ON_TOO_LONG,
+                       doc="rows longer than max_seq_len (tokenizer's or model's): cut, drop, or stop with an error; "
+                           "counts are logged at start"),
 }
 LORA_KEYS: Dict[str, Key] = {
     "merge_adapters": Key(bool, default=False,
@@ -100,8 +108,8 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
             if k not in cfg.model:
                 raise ConfigError(f"config key 'model.{k}': the LoRA recipe needs a lora_* model builder "
                                   f"(got {cfg.model._component_!r} without {k})")
-    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
-        raise ConfigError(f"config key 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    check_device(cfg.device)
+    check_optimizer(cfg.optimizer)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
     return cfg
@@ -179,10 +187,20 @@ class SFTRecipe:
                                     clip_grad_norm=cfg.clip_grad_norm,
                                     grads_averaged_over_ranks=self.distributed)
 
+    def _setup_dataset(self) -> None:
+        """Tokenizer and dataset, every row checked against the length limit (before the model)."""
+        cfg = self.cfg
+        self.tokenizer = instantiate_dataset(cfg.tokenizer, "tokenizer")
+        ds = instantiate_dataset(cfg.dataset, "dataset", self.tokenizer)
+        self.dataset, report = fit_sft_dataset(
+            ds, tokenizer=self.tokenizer, model_max_seq_len=model_limits(cfg.model).max_seq_len,
+            on_too_long=cfg.on_too_long, ignore_index=cfg.loss.get("ignore_index", CROSS_ENTROPY_IGNORE_IDX))
+        if report is not None and self.is_rank_zero:
+            get_logger("INFO").info(report.message())
+
     def _setup_data(self) -> None:
         cfg = self.cfg
-        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
-        ds = tt_config.instantiate(cfg.dataset, self.tokenizer)
+        ds = self.dataset
         pad = getattr(self.tokenizer, "pad_id", 0)
         self.dataloader = build_dataloader(
             ds, batch_size=cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, rank=self.rank,
@@ -241,6 +259,7 @@ class SFTRecipe:
         self._setup_runtime()
         resume_dir = self._resume_dir()
         recipe_state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
+        self._setup_dataset()
         self._setup_model(resume_dir)
         self._setup_data()
         self._setup_optim(recipe_state)
@@ -291,7 +310,9 @@ class SFTRecipe:
         return self.losses
 
 
+@report_errors
 def recipe_main(cfg: DictConfig, *, lora: bool = False, distributed: bool = False) -> None:
-    """Entry point used by the recipe files: ``SFTRecipe(cfg, ...).run()``."""
+    """Entry point used by the recipe files: ``SFTRecipe(cfg, ...).run()``; a ConfigError ends the
+    run with one line on stderr and exit status 2 (:func:`~logitless.training.cli.report_errors`)."""
     SFTRecipe(cfg, lora=lora, distributed=distributed).run()
 

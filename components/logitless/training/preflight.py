@@ -1,0 +1,346 @@
+"""Checks that run before the model is built: values torch would reject late, the device, and the
+lengths of the training rows against the model's ``max_seq_len``.
+
+:func:`validate_config` checks types, ranges and components; this module checks what needs a
+little more than the config's shape: the optimizer's numeric arguments (torch rejects them only
+when the optimizer is built, after the model), whether the device exists on this machine, the
+model's limits (read from a parameter-free ``meta``-device build of the configured builder, which
+costs no memory), and every SFT row's length, with a count of what is truncated or dropped.
+
+Example:
+    >>> check_device("cuda")            # on a machine without CUDA
+    Traceback (most recent call last):
+    ConfigError: config key 'device': 'cuda', but CUDA is not available on this machine ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset
+
+from logitless.training.config import ConfigError
+
+#: What a recipe does with a row longer than the model (or tokenizer) ``max_seq_len`` (``on_too_long``).
+ON_TOO_LONG = ("truncate", "drop", "error")
+
+
+# ----------------------------------------------------------------------------- config values
+def check_device(device: str, key: str = "device") -> None:
+    """Raises ConfigError unless ``device`` is ``auto``, ``cpu``, or a CUDA device this machine has.
+
+    Args:
+        device (str): ``"auto" | "cpu" | "cuda" | "cuda:N"``.
+        key (str): the config key, for the message.
+
+    Raises:
+        ConfigError: naming the key, the value and what is available.
+
+    Example:
+        >>> check_device("cpu")
+    """
+    if device in ("auto", "cpu"):
+        return
+    index = None
+    if isinstance(device, str) and device.startswith("cuda:"):
+        index = device[len("cuda:"):]
+        if not index.isdigit():
+            index = "bad"
+    if not isinstance(device, str) or (device != "cuda" and index in (None, "bad")):
+        raise ConfigError(f"config key {key!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"config key {key!r}: {device!r}, but CUDA is not available on this machine "
+                          f"(torch {torch.__version__}); expected 'cpu' or 'auto'")
+    if index is not None and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"config key {key!r}: {device!r}, but this machine has {torch.cuda.device_count()} "
+                          f"CUDA device(s); expected cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# argument -> (what is expected, test); checked only where the optimizer takes the argument
+_OPTIMIZER_ARGS = {
+    "lr": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "eps": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "weight_decay": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "momentum": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "betas": ("two numbers, each in [0, 1)",
+              lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v)),
+}
+
+
+def check_optimizer(node: Optional[DictConfig], key: str = "optimizer") -> None:
+    """Checks the optimizer's numeric arguments that the config sets (lr, betas, eps, weight_decay,
+    momentum), which torch would reject only once the model is built, without naming the key.
+
+    Args:
+        node (Optional[DictConfig]): the ``optimizer`` component node (already validated by
+            :func:`validate_config`, so every argument it holds exists in the optimizer).
+        key (str): the config key, for the message.
+
+    Raises:
+        ConfigError: naming ``optimizer.<arg>``, the value and what was expected.
+
+    Example:
+        >>> check_optimizer(OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": -1e-3}))
+        Traceback (most recent call last):
+        ConfigError: config key 'optimizer.lr': expected a finite number >= 0, got -0.001
+    """
+    if node is None:
+        return
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    for arg, (expected, ok) in _OPTIMIZER_ARGS.items():
+        v = values.get(arg)
+        if v is None or isinstance(v, torch.Tensor):  # a tensor lr is torch's own feature
+            continue
+        if not ok(v):
+            raise ConfigError(f"config key '{key}.{arg}': expected {expected}, got {v!r}")
+
+
+# ----------------------------------------------------------------------------- model limits
+@dataclass
+class ModelLimits:
+    """What the configured model accepts, read without allocating its weights.
+
+    Attributes:
+        max_seq_len (Optional[int]): the longest sequence its forward takes (None: unknown).
+        vocab_size (Optional[int]): rows of its token embedding (None: unknown).
+    """
+
+    max_seq_len: Optional[int] = None
+    vocab_size: Optional[int] = None
+
+
+def model_limits(model_node: DictConfig) -> ModelLimits:
+    """Builds the configured model on the ``meta`` device (no memory, no initialisation) and reads
+    its ``max_seq_len`` and vocabulary size, so the data can be checked against them before the
+    real build. A builder that cannot run on ``meta`` gives unknown limits (the real build reports
+    its own errors).
+
+    Args:
+        model_node (DictConfig): the ``model`` component node.
+
+    Returns:
+        ModelLimits: the limits (fields None where unknown).
+
+    Example:
+        >>> model_limits(OmegaConf.create({"_component_": "logitless.models.qwen2_5_tiny"}))
+        ModelLimits(max_seq_len=1024, vocab_size=2048)
+    """
+    from torchtune import config as tt_config
+
+    try:
+        with torch.device("meta"):
+            model = tt_config.instantiate(model_node)
+    except Exception:  # noqa: BLE001 -- the real build, moments later, raises with its own message
+        return ModelLimits()
+    limit = getattr(model, "max_seq_len", None)
+    emb = getattr(model, "tok_embeddings", None)
+    vocab = getattr(emb, "num_embeddings", None)
+    return ModelLimits(limit if isinstance(limit, int) else None, vocab if isinstance(vocab, int) else None)
+
+
+# ----------------------------------------------------------------------------- datasets
+def instantiate_dataset(node: DictConfig, key: str, *args: Any) -> Any:
+    """``torchtune.config.instantiate(node, *args)`` for a data component (dataset or tokenizer),
+    turning the ValueError / OSError a builder raises on bad data (a missing column, an empty
+    prompt, a row of the wrong type, a missing file) into a ConfigError that names the key.
+
+    Args:
+        node (DictConfig): the component node.
+        key (str): its config key (``"dataset"``, ``"eval_dataset"``, ``"tokenizer"``).
+        *args: positional arguments (the tokenizer, for a dataset).
+
+    Returns:
+        the built object.
+
+    Raises:
+        ConfigError: ``config key '<key>' (<component>): <the builder's message>``.
+    """
+    from torchtune import config as tt_config
+
+    try:
+        return tt_config.instantiate(node, *args)
+    except (ValueError, OSError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config key {key!r} ({node.get('_component_')}): {e}") from e
+
+
+@dataclass
+class LengthReport:
+    """What the length check did to a dataset, for the log at start.
+
+    Attributes:
+        rows (int): rows in the dataset.
+        kept (int): rows trained on.
+        too_long (int): rows longer than ``limit``.
+        truncated (int): too-long rows kept, cut to ``limit`` tokens.
+        untrained (int): rows dropped because no trained label is left within ``limit``.
+        limit (int): the length limit.
+        limit_source (str): where the limit comes from (a config key or the model).
+        action (str): the ``on_too_long`` setting.
+    """
+
+    rows: int
+    kept: int
+    too_long: int
+    truncated: int
+    untrained: int
+    limit: Optional[int]
+    limit_source: str
+    action: str
+
+    def message(self, what: str = "dataset") -> str:
+        """One line for the log: counts of rows kept, truncated and dropped."""
+        if self.limit is None:
+            return f"{what}: {self.rows} rows, no length limit known"
+        dropped = self.rows - self.kept
+        return (f"{what}: {self.kept} of {self.rows} rows kept; {self.too_long} longer than {self.limit} tokens "
+                f"({self.limit_source}), {self.truncated} of them truncated; {dropped} dropped "
+                f"({self.untrained} with no trained token within the limit); on_too_long={self.action!r}")
+
+
+class RowSubset(Dataset):
+    """The rows ``indices`` of ``dataset``, each cut to ``max_len`` tokens when that is set.
+
+    Args:
+        dataset (Dataset): map-style dataset of ``{"tokens", "labels", ...}`` rows.
+        indices (Sequence[int]): rows kept, in order.
+        max_len (Optional[int]): cut ``tokens`` and ``labels`` to this length.
+
+    Example:
+        >>> RowSubset([{"tokens": [1, 2, 3], "labels": [1, 2, 3]}], [0], max_len=2)[0]["tokens"]
+        [1, 2]
+    """
+
+    def __init__(self, dataset: Any, indices: Sequence[int], max_len: Optional[int] = None):
+        self.dataset, self.indices, self.max_len = dataset, list(indices), max_len
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        row = self.dataset[self.indices[i]]
+        if self.max_len is None:
+            return row
+        return {**row, **{k: row[k][:self.max_len] for k in ("tokens", "labels") if k in row}}
+
+
+@contextlib.contextmanager
+def _untruncated(tokenizer: Any):
+    """Lets ``tokenizer`` tokenise without its ``max_seq_len`` cut for the scan, so true lengths show."""
+    limit = getattr(tokenizer, "max_seq_len", None)
+    if limit is None:
+        yield
+        return
+    tokenizer.max_seq_len = None
+    try:
+        yield
+    finally:
+        tokenizer.max_seq_len = limit
+
+
+def _row(dataset: Any, i: int, key: str) -> Dict[str, Any]:
+    try:
+        return dataset[i]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"config key {key!r}: row {i} cannot be read ({type(e).__name__}: {e})") from e
+
+
+def fit_sft_dataset(dataset: Any, *, tokenizer: Any, model_max_seq_len: Optional[int], on_too_long: str,
+                    ignore_index: int = -100, key: str = "dataset") -> Tuple[Any, Optional[LengthReport]]:
+    """Checks every SFT row against the length limit before training, and applies ``on_too_long``.
+
+    The limit is the smaller of ``tokenizer.max_seq_len`` and the model's ``max_seq_len``. Each
+    row is tokenised once without the tokenizer's cut (so the true length shows). A row longer
+    than the limit is kept and cut to it (``"truncate"``, torchtune's behaviour, now counted),
+    dropped (``"drop"``), or refused (``"error"``). A row with no trained label left within the
+    limit (its prompt fills it) trains nothing and is dropped in every mode; a dataset with no row
+    left is an error. Packed datasets are checked by their pack length only.
+
+    Args:
+        dataset: map-style dataset of ``{"tokens", "labels"}`` rows (or torchtune's PackedDataset).
+        tokenizer: the recipe's tokenizer (its ``max_seq_len``, if any, is the truncation length).
+        model_max_seq_len (Optional[int]): the model's limit (None: unknown).
+        on_too_long (str): ``"truncate" | "drop" | "error"``.
+        ignore_index (int): label value of untrained positions.
+        key (str): the dataset's config key, for messages.
+
+    Returns:
+        Tuple[Any, Optional[LengthReport]]: the dataset to train on (the same object when nothing
+        changes) and the report (None for a packed dataset).
+
+    Raises:
+        ConfigError: a too-long row with ``on_too_long="error"`` (naming the row, its length and the
+        limit), a row that cannot be read, or no row left.
+
+    Example:
+        >>> ds, report = fit_sft_dataset(rows, tokenizer=tok, model_max_seq_len=1024, on_too_long="drop")
+        >>> print(report.message())
+    """
+    if on_too_long not in ON_TOO_LONG:
+        raise ConfigError(f"config key 'on_too_long': expected one of {list(ON_TOO_LONG)}, got {on_too_long!r}")
+    from logitless.training.data import is_packed
+
+    tok_limit = getattr(tokenizer, "max_seq_len", None)
+    if is_packed(dataset):
+        pack = getattr(dataset, "max_seq_len", tok_limit)
+        if model_max_seq_len is not None and pack is not None and pack > model_max_seq_len:
+            raise ConfigError(f"config key 'tokenizer.max_seq_len': packs of {pack} tokens exceed the model's "
+                              f"max_seq_len={model_max_seq_len}; expected at most {model_max_seq_len}")
+        return dataset, None
+    limits = [(v, s) for v, s in ((tok_limit, "tokenizer.max_seq_len"),
+                                  (model_max_seq_len, "the model's max_seq_len")) if isinstance(v, int)]
+    limit, source = min(limits) if limits else (None, "")
+    n = len(dataset)
+    kept: List[int] = []
+    too_long = truncated = untrained = 0
+    first_long: Optional[Tuple[int, int]] = None
+    with _untruncated(tokenizer):
+        for i in range(n):
+            row = _row(dataset, i, key)
+            tokens, labels = row.get("tokens"), row.get("labels")
+            if tokens is None or labels is None:
+                raise ConfigError(f"config key {key!r}: row {i} has no 'tokens'/'labels' "
+                                  f"(keys {sorted(row)}); expected SFT rows {{'tokens', 'labels'}}")
+            length = len(tokens)
+            cut = length if limit is None else min(length, limit)
+            is_long = cut < length
+            if is_long:
+                too_long += 1
+                first_long = first_long or (i, length)
+                if on_too_long != "truncate":
+                    continue
+            # labels[0] is never a target: the label shift makes position t predict labels[t + 1]
+            if not any(int(y) != ignore_index for y in labels[1:cut]):
+                untrained += 1
+                continue
+            truncated += is_long
+            kept.append(i)
+    if on_too_long == "error" and first_long is not None:
+        i, length = first_long
+        raise ConfigError(f"config key 'on_too_long': 'error', and {key} row {i} has {length} tokens, more than "
+                          f"{limit} ({source}); {too_long} of {n} rows are too long. Expected every row within the "
+                          f"limit: raise {source}, shorten the data, or set on_too_long to truncate or drop")
+    report = LengthReport(n, len(kept), too_long, truncated, untrained, limit, source, on_too_long)
+    if not kept:
+        raise ConfigError(f"config key {key!r}: no row left to train on: {report.message(key)}. Expected at least "
+                          f"one row with a trained label within {limit} tokens")
+    # the tokenizer cuts to its own limit; the model's, when smaller (or the only one), is ours to apply
+    max_len = model_max_seq_len if (model_max_seq_len is not None and truncated
+                                    and (tok_limit is None or tok_limit > model_max_seq_len)) else None
+    if len(kept) == n and max_len is None:
+        return dataset, report
+    return RowSubset(dataset, kept, max_len), report
+
+
+__all__ = ["ON_TOO_LONG", "LengthReport", "ModelLimits", "RowSubset", "check_device", "check_optimizer",
+           "fit_sft_dataset", "instantiate_dataset", "model_limits"]
