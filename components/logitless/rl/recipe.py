@@ -137,7 +137,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     if unknown:
         raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
     check_generation(gen)
-    check_device(cfg.device)
+    check_device(cfg.device, available=False)  # GRPORecipe checks that it exists here
     check_optimizer(cfg.optimizer)
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
@@ -191,6 +191,7 @@ class GRPORecipe:
         self.distributed = distributed
         self.cfg = validate_grpo_config(cfg, distributed=distributed,
                                         world_size=launched_world_size() if distributed else 1)
+        check_device(self.cfg.device)
         self.is_lora = "lora_rank" in cfg.model
         self.prompt_sharing = use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
                                                  num_generations=cfg.num_generations)

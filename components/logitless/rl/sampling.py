@@ -12,6 +12,8 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
+
 #: What a sampler accepts as its random source: None (torch's global generator), one generator for
 #: the whole batch, or one generator per prompt (rows split into equal contiguous groups).
 RandomSource = Union[None, torch.Generator, Sequence[torch.Generator]]
@@ -70,12 +72,16 @@ def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optiona
     """Raises ValueError naming the argument when a sampling setting is out of range.
 
     Args:
-        temperature (float): >= 0 (0 means greedy).
+        temperature (float): 0 (greedy) or in ``[1e-4, 1e4]`` (the head ops' range).
         top_k (Optional[int]): None or >= 1.
         top_p (Optional[float]): None or in (0, 1].
     """
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    # the head ops' range (their temperature is the sampler's): 1/T scales the logits, and below 1e-4
+    # fp32 logits / T overflow to inf and the softmax to NaN
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number in [{MIN_TEMPERATURE}, "
+                         f"{MAX_TEMPERATURE}], got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and not (0 < float(top_p) <= 1):

@@ -3,6 +3,9 @@
 One concern per module:
 
 - :mod:`~logitless.training.config`: config validation (:func:`validate_config`, :class:`Key`, :class:`ConfigError`).
+- :mod:`~logitless.training.preflight`: checks before the model is built (optimizer values, device,
+  every SFT row's length against ``max_seq_len`` with counts, ``on_too_long``).
+- :mod:`~logitless.training.cli`: :func:`report_errors`, a ConfigError as one line on stderr (exit 2).
 - :mod:`~logitless.training.step`: :class:`TrainStep`, gradient accumulation normalised over the whole
   accumulated batch (a recipe passes ``loss_fn(batch)`` and ``count_fn(batch)``).
 - :mod:`~logitless.training.checkpoint`: :class:`CheckpointManager`, atomic HF-format checkpoints with

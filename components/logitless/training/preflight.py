@@ -31,12 +31,14 @@ ON_TOO_LONG = ("truncate", "drop", "error")
 
 
 # ----------------------------------------------------------------------------- config values
-def check_device(device: str, key: str = "device") -> None:
+def check_device(device: str, key: str = "device", *, available: bool = True) -> None:
     """Raises ConfigError unless ``device`` is ``auto``, ``cpu``, or a CUDA device this machine has.
 
     Args:
         device (str): ``"auto" | "cpu" | "cuda" | "cuda:N"``.
         key (str): the config key, for the message.
+        available (bool): also require the device on this machine (False: the spelling only, for
+            validating a GPU config on a CPU machine; a recipe checks both before it builds anything).
 
     Raises:
         ConfigError: naming the key, the value and what is available.
@@ -53,6 +55,8 @@ def check_device(device: str, key: str = "device") -> None:
             index = "bad"
     if not isinstance(device, str) or (device != "cuda" and index in (None, "bad")):
         raise ConfigError(f"config key {key!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not available:
+        return
     if not torch.cuda.is_available():
         raise ConfigError(f"config key {key!r}: {device!r}, but CUDA is not available on this machine "
                           f"(torch {torch.__version__}); expected 'cpu' or 'auto'")

@@ -108,7 +108,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
             if k not in cfg.model:
                 raise ConfigError(f"config key 'model.{k}': the LoRA recipe needs a lora_* model builder "
                                   f"(got {cfg.model._component_!r} without {k})")
-    check_device(cfg.device)
+    check_device(cfg.device, available=False)  # SFTRecipe checks that it exists here
     check_optimizer(cfg.optimizer)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
@@ -129,6 +129,7 @@ class SFTRecipe:
 
     def __init__(self, cfg: DictConfig, *, lora: bool = False, distributed: bool = False):
         self.cfg = validate_sft_config(cfg, lora=lora, distributed=distributed)
+        check_device(self.cfg.device)
         self.lora, self.distributed = lora, distributed
         self.losses: List[float] = []  # loss of every optimizer step run by this process
 
