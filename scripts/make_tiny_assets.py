@@ -15,6 +15,10 @@ Outputs (relative to the assets folder):
 - ``tokenizer/tokenizer.json``: the full HF tokenizer, whose ``added_tokens`` give the Qwen2.5 special
   tokens SMALL ids placed right after the BPE vocabulary (torchtune reads them through
   ``special_tokens_path``).
+- ``tokenizer/tokenizer_config.json``: what transformers' ``AutoTokenizer`` needs besides
+  ``tokenizer.json`` (class, special tokens, eos ``<|im_end|>`` / pad ``<|endoftext|>``, a ChatML
+  template laid out as torchtune's ``Qwen2_5Tokenizer``), derived from torchtune's tokenizer on the
+  files above (``logitless.data.hf_tokenizer_config``). Checkpoint folders copy these files.
 - ``qwen2_5_tiny/``: ``config.json`` + ``model.safetensors`` (bf16) of ``logitless.models.qwen2_5_tiny``
   in Hugging Face Qwen2 format, readable by ``torchtune.training.FullModelHFCheckpointer``
   (``model_type: QWEN2``).
@@ -36,6 +40,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 TOTAL_VOCAB = 2048  # BPE tokens + special tokens; the tiny model's vocab_size
+TINY_MAX_SEQ_LEN = 1024  # the tiny model's max_seq_len (its RoPE cache)
 
 NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe", "Leo", "Ella", "Jack", "Nora",
          "Omar", "Ivy", "Ravi", "Lucy", "Hugo", "Sara", "Noah", "Emma"]
@@ -172,6 +177,14 @@ def train_tokenizer(texts: list[str], out_dir: Path, total_vocab: int = TOTAL_VO
     return tok.get_vocab_size()
 
 
+def write_tokenizer_config(out_dir: Path) -> None:
+    """tokenizer_config.json of the bundled tokenizer, from torchtune's view of it (same ids, eos, pad)."""
+    from logitless.data import hf_tokenizer_config, tiny_qwen2_5_tokenizer
+
+    config = hf_tokenizer_config(tiny_qwen2_5_tokenizer(), model_max_length=TINY_MAX_SEQ_LEN)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_checkpoint(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     """Random-init tiny Qwen2.5 in HF format (bf16 safetensors + config.json)."""
     import torch
@@ -209,12 +222,18 @@ def write_checkpoint(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-checkpoint", action="store_true", help="only dataset and tokenizer")
+    p.add_argument("--tokenizer-config-only", action="store_true",
+                   help="only rewrite tokenizer/tokenizer_config.json from the existing tokenizer files")
     args = p.parse_args()
+    if args.tokenizer_config_only:
+        write_tokenizer_config(ASSETS / "tokenizer")
+        return
     train, evals = make_dataset()
     ASSETS.mkdir(parents=True, exist_ok=True)
     (ASSETS / "tiny_alpaca.json").write_text(json.dumps(train, indent=1) + "\n")
     (ASSETS / "tiny_alpaca_eval.json").write_text(json.dumps(evals, indent=1) + "\n")
     size = train_tokenizer(tokenizer_corpus(train), ASSETS / "tokenizer")
+    write_tokenizer_config(ASSETS / "tokenizer")
     print(f"dataset: {len(train)} train / {len(evals)} eval rows; tokenizer: {size} tokens")
     if not args.skip_checkpoint:
         write_checkpoint(ASSETS / "qwen2_5_tiny", vocab_size=TOTAL_VOCAB)

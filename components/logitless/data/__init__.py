@@ -9,6 +9,7 @@ from logitless.data._assets import (
     asset_path,
     tiny_qwen2_5_tokenizer,
 )
+from logitless.data._hf_tokenizer import CHATML_TEMPLATE, hf_generation_config, hf_tokenizer_config
 from logitless.data._synthetic import (
     SyntheticDataset,
     SyntheticTokenizer,
@@ -17,6 +18,7 @@ from logitless.data._synthetic import (
 )
 
 __all__ = [
+    "CHATML_TEMPLATE",
     "ASSETS_DIR",
     "TINY_ALPACA_FILES",
     "TINY_CHECKPOINT_DIR",
@@ -25,6 +27,8 @@ __all__ = [
     "SyntheticTokenizer",
     "alpaca_dataset",
     "asset_path",
+    "hf_generation_config",
+    "hf_tokenizer_config",
     "synthetic_dataset",
     "synthetic_tokenizer",
     "tiny_alpaca_dataset",

@@ -50,6 +50,7 @@ from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
 from logitless.training.cli import report_errors
+from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.distributed import FSDP_KEYS, Runtime, launched_world_size
 from logitless.training.metric_logging import build_metric_logger
@@ -94,7 +95,8 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "save_every_n_steps": Key((int, None), default=None, min=1),
     "save_final_checkpoint": Key(bool, default=True),
     "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
-    "merge_adapters": Key(bool, default=False, doc="LoRA: also save merged HF weights"),
+    "merge_adapters": Key(bool, default=True, doc="LoRA: save merged HF weights in every checkpoint (a complete "
+                                                   "model folder); False: adapters only (docs/export.md)"),
     "eval_every_n_steps": Key((int, None), default=None, min=1),
     "eval_num_prompts": Key((int, None), default=None, min=1),
     "eval_batch_size": Key(int, default=64, min=1),
@@ -232,6 +234,7 @@ class GRPORecipe:
                                       keep_last_n=cfg.keep_last_n_checkpoints)
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
+        self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.is_lora)
         adapter_keys = [k for k in model.state_dict() if "lora_" in k] if self.is_lora else None
         if cfg.model_init == "checkpoint":
             model_utils.load_weights(model, self.ckpt.load_model_state(), allow_missing=adapter_keys,
@@ -432,8 +435,7 @@ class GRPORecipe:
         if self.runtime.is_rank_zero:
             if self.is_lora:
                 adapter, merged = model_utils.lora_states(full_sd, self.cfg.model, merge=self.cfg.merge_adapters)
-                self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=merged, adapter_state=adapter,
-                               adapter_config=model_utils.adapter_config(self.cfg.model))
+                self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=merged, adapter_state=adapter)
             else:
                 self.ckpt.save(step=step, epoch=0, recipe_state=state, model_state=full_sd)
         self.runtime.barrier()

@@ -6,9 +6,14 @@ Layout of ``output_dir``::
         model-00001-of-00001.safetensors, model.safetensors.index.json, config.json, ...
                                     HF weights written by the torchtune checkpointer (full runs, or
                                     LoRA runs with ``merge_adapters``: base + adapters merged)
-        adapter_model.pt / adapter_model.safetensors / adapter_config.json   LoRA adapters
+        tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, generation_config.json
+        adapter/adapter_model.safetensors, adapter/adapter_config.json   PEFT adapter (LoRA)
+        adapter_model.pt            LoRA adapters in torchtune format (resume)
         recipe_state.pt             optimizer, LR scheduler, step, epoch, data position, RNG, seed
         logitless_checkpoint.json   written last: step, epoch, files, config
+
+Everything beyond the weights comes from :class:`logitless.training.export.ModelExport` (see
+docs/export.md): with one, every folder is a model folder transformers, PEFT and vLLM load.
     .tmp-step_000020-<pid>/         a save in progress (removed on the next start)
 
 Every save is first written to a temporary folder, then renamed into place with one
@@ -31,6 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from torchtune import config as tt_config
 from torchtune import training as tt_training
+
+from logitless.training.export import ModelExport, folder_files
 
 MARKER = "logitless_checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
@@ -107,10 +114,13 @@ class CheckpointManager:
     Args:
         checkpointer_cfg (Optional[DictConfig]): the recipe's ``checkpointer`` node (a torchtune
             checkpointer, normally ``FullModelHFCheckpointer``), or None when the model starts
-            from random weights (checkpoints are then written as torchtune-format safetensors).
+            from random weights (checkpoints are then written in HF format by ``export`` when it
+            can describe the model, else as torchtune-format safetensors).
         output_dir (str): where ``step_*`` folders go.
         is_rank_zero (bool): only rank 0 writes.
         keep_last_n (Optional[int]): delete older complete checkpoints beyond this many.
+        export (Optional[ModelExport]): completes each folder (tokenizer files, generation config,
+            config dtype, PEFT adapter); None writes the weights and adapters only.
 
     Example:
         >>> ckpt = CheckpointManager(cfg.checkpointer, cfg.output_dir)
@@ -119,8 +129,9 @@ class CheckpointManager:
     """
 
     def __init__(self, checkpointer_cfg: Optional[DictConfig], output_dir: str, *, is_rank_zero: bool = True,
-                 keep_last_n: Optional[int] = None):
+                 keep_last_n: Optional[int] = None, export: Optional[ModelExport] = None):
         self.cfg = checkpointer_cfg
+        self.export = export
         self.output_dir = Path(output_dir)
         self.is_rank_zero = is_rank_zero
         self.keep_last_n = keep_last_n
@@ -167,6 +178,11 @@ class CheckpointManager:
             files = meta.get("model_files") or []
             if not files:
                 raise FileNotFoundError(f"checkpoint {resume_dir} has no model weights to resume from")
+            if meta.get("format") == "hf" and self.cfg is None:  # written by ModelExport (random init)
+                if self.export is None or not self.export.writes_hf_weights:
+                    raise ValueError(f"checkpoint {resume_dir}: HF weights written without a checkpointer; "
+                                     f"reading them needs the run's ModelExport (a Qwen2 model)")
+                return self.export.read_hf_weights(resume_dir, files)
             if meta.get("format") == "torchtune":
                 sd = {}
                 for f in files:
@@ -201,7 +217,6 @@ class CheckpointManager:
         recipe_state: Dict[str, Any],
         model_state: Optional[Dict[str, torch.Tensor]] = None,
         adapter_state: Optional[Dict[str, torch.Tensor]] = None,
-        adapter_config: Optional[Dict[str, Any]] = None,
         extra_meta: Optional[Dict[str, Any]] = None,
     ) -> Optional[Path]:
         """Writes one complete checkpoint atomically (rank 0 only; other ranks return None).
@@ -212,8 +227,8 @@ class CheckpointManager:
             recipe_state (Dict[str, Any]): saved as ``recipe_state.pt``.
             model_state (Optional[Dict]): full tune-format weights (full fine-tuning, or merged LoRA);
                 None to skip (adapter-only LoRA checkpoint).
-            adapter_state (Optional[Dict]): LoRA adapter weights.
-            adapter_config (Optional[Dict]): torchtune adapter config (rank, alpha, target modules).
+            adapter_state (Optional[Dict]): LoRA adapter weights (tune format): saved as
+                ``adapter_model.pt`` for resume, and in PEFT format under ``adapter/`` by ``export``.
             extra_meta (Optional[Dict]): recorded in the marker file.
 
         Returns:
@@ -226,40 +241,40 @@ class CheckpointManager:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         meta: Dict[str, Any] = {"step": step, "epoch": epoch, "model_files": [], "format": None}
-        if self.cfg is not None and (model_state is not None or adapter_state is not None):
+        written = staging / "epoch_0"
+        # Adapters never go through torchtune's checkpointer: its PEFT export permutes q/k rows for
+        # every model (wrong for Qwen2); ModelExport writes them.
+        if self.cfg is not None and model_state is not None:
             ckpt = self._checkpointer if self._checkpointer is not None else self._instantiate()
-            if ckpt._weight_map is None:  # never loaded (e.g. adapters only): load to learn the layout
+            if ckpt._weight_map is None:  # never loaded: load to learn the layout
                 ckpt.load_checkpoint()
-            state: Dict[str, Any] = {}
-            if model_state is not None:
-                state[tt_training.MODEL_KEY] = dict(model_state)
-            if adapter_state is not None:
-                state[tt_training.ADAPTER_KEY] = dict(adapter_state)
-            if adapter_config is not None:
-                state[tt_training.ADAPTER_CONFIG] = dict(adapter_config)
             prev = ckpt._output_dir
             ckpt._output_dir = staging  # torchtune 0.6.1 writes to <_output_dir>/epoch_<n>/
             try:
-                ckpt.save_checkpoint(state, epoch=0, intermediate_checkpoint=False,
-                                     adapter_only=model_state is None)
+                ckpt.save_checkpoint({tt_training.MODEL_KEY: dict(model_state)}, epoch=0,
+                                     intermediate_checkpoint=False)
             finally:
                 ckpt._output_dir = prev
-            written = staging / "epoch_0"
             meta["format"] = "hf"
             meta["model_files"] = sorted(p.name for p in written.glob("model-*.safetensors")) + \
                 sorted(p.name for p in written.glob("model-*.bin"))
         else:
-            written = staging / "epoch_0"
             written.mkdir()
-            if model_state is not None:
+            if model_state is not None and self.export is not None and self.export.writes_hf_weights:
+                meta["format"] = "hf"
+                meta["model_files"] = self.export.write_hf_weights(written, model_state)
+            elif model_state is not None:
                 save_file({k: v.contiguous() for k, v in model_state.items()}, str(written / "model.safetensors"))
                 meta["format"] = "torchtune"
                 meta["model_files"] = ["model.safetensors"]
-            if adapter_state is not None:
-                torch.save(adapter_state, written / "adapter_model.pt")
-        for stale in (MARKER, RECIPE_STATE):  # copied from a resumed checkpoint folder
+        for stale in (MARKER, RECIPE_STATE, "adapter_model.pt"):  # copied from a resumed checkpoint folder
             (written / stale).unlink(missing_ok=True)
+        if adapter_state is not None:
+            torch.save(adapter_state, written / "adapter_model.pt")
+        if self.export is not None:
+            self.export.complete(written, model_state=model_state, adapter_state=adapter_state)
         torch.save(recipe_state, written / RECIPE_STATE)
+        meta["files"] = folder_files(written)
         meta.update(extra_meta or {})
         (written / MARKER).write_text(json.dumps(meta, indent=2, default=str) + "\n")
         _fsync_tree(written)

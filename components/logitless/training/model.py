@@ -139,8 +139,9 @@ def setup_lora(model: nn.Module) -> Dict[str, nn.Parameter]:
 
 
 def adapter_config(model_cfg: DictConfig) -> Dict[str, Any]:
-    """torchtune's adapter config (rank, alpha, target modules) from the model's config."""
+    """Adapter config (rank, alpha, DoRA, torchtune target modules) from the model's config."""
     return {
+        "use_dora": bool(model_cfg.get("use_dora", False)),
         "r": model_cfg.lora_rank,
         "lora_alpha": model_cfg.lora_alpha,
         "target_modules": get_lora_module_names(

@@ -23,6 +23,7 @@ from torchtune.utils import get_logger
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
 from logitless.training.cli import report_errors
+from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.data import batch_to_device, build_dataloader
 from logitless.training.distributed import FSDP_KEYS, Runtime
@@ -70,8 +71,9 @@ SFT_SCHEMA: Dict[str, Key] = {
                            "counts are logged at start"),
 }
 LORA_KEYS: Dict[str, Key] = {
-    "merge_adapters": Key(bool, default=False,
-                          doc="also save the base weights with the adapters merged (HF format)"),
+    "merge_adapters": Key(bool, default=True,
+                          doc="save the base weights with the adapters merged (HF format) in every checkpoint, "
+                              "so each folder is a complete model; False: adapters only (docs/export.md)"),
 }
 
 
@@ -149,6 +151,7 @@ class SFTRecipe:
                                       keep_last_n=cfg.keep_last_n_checkpoints)
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
+        self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.lora)
         adapter_keys = [k for k in model.state_dict() if "lora_" in k or "magnitude" in k] if self.lora else None
         if cfg.model_init == "checkpoint" or (resume_dir is not None and not self.lora):
             sd = self.ckpt.load_model_state(resume_dir, base_only=self.lora)
@@ -237,7 +240,7 @@ class SFTRecipe:
             if self.lora:
                 adapter, merged = model_utils.lora_states(full_sd, cfg.model, merge=cfg.merge_adapters)
                 self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=merged,
-                               adapter_state=adapter, adapter_config=model_utils.adapter_config(cfg.model))
+                               adapter_state=adapter)
             else:
                 self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=full_sd)
         self.runtime.barrier()
