@@ -81,7 +81,7 @@ def test_tiny_lora_adapters_saved_separately_and_merged(repo_cwd, tmp_path):
     losses = SFTRecipe(tiny_config("tiny_lora", out, **FAST), lora=True).run()
     assert_falls(losses, by=2.0)
     ckpt = complete_checkpoints(out)[-1]
-    for f in ("adapter_model.pt", "adapter_model.safetensors", "adapter_config.json",
+    for f in ("adapter_model.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
               "model-00001-of-00001.safetensors", "config.json"):
         assert (ckpt / f).is_file(), f
     # the merged HF weights give the same logits as base + adapters
