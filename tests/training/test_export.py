@@ -151,3 +151,47 @@ def test_random_init_folder_is_hf_and_resumes_to_the_same_weights(tmp_path):
     fp32.load_state_dict({k: v.float() for k, v in state.items()})
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=tokens).logits, fp32.eval()(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_init", ["checkpoint", "random"])
+def test_real_model_folder_layout_keeps_the_source_files_and_fixes_the_dtype(tmp_path, model_init):
+    """A `tune download`-style folder (weights + tokenizer + generation config): the checkpoint copies its
+    tokenizer files unchanged; what the source lacks (here tokenizer_config.json when random) is generated."""
+    import shutil
+
+    from logitless.data import TINY_TOKENIZER_DIR
+
+    src = tmp_path / "Qwen2.5-Tiny-Instruct"
+    shutil.copytree(TINY_CHECKPOINT_DIR, src)
+    for f in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(TINY_TOKENIZER_DIR / f, src / f)
+    source_tok_cfg = json.loads((TINY_TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    source_tok_cfg["chat_template"] = "{{ 'the source template' }}"
+    if model_init == "checkpoint":
+        (src / "tokenizer_config.json").write_text(json.dumps(source_tok_cfg))
+        (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2028, 2026], "top_k": 20}))
+    cfg = OmegaConf.create({
+        "model": {"_component_": "logitless.models.qwen2_5_tiny"}, "model_init": model_init,
+        "tokenizer": {"_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer", "path": str(src / "vocab.json"),
+                      "merges_file": str(src / "merges.txt"), "special_tokens_path": str(src / "tokenizer.json")},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": str(src),
+                         "checkpoint_files": ["model.safetensors"], "model_type": "QWEN2",
+                         "output_dir": str(tmp_path / "out")}})
+    model = qwen2_5_tiny()
+    mgr = CheckpointManager(cfg.checkpointer if model_init == "checkpoint" else None, str(tmp_path / "out"),
+                            export=ModelExport.for_run(cfg, model, lora=False))
+    step = mgr.save(step=1, epoch=0, recipe_state={}, model_state=dict(model.state_dict()))
+    for f in ("tokenizer.json", "vocab.json", "merges.txt"):
+        assert (step / f).read_bytes() == (src / f).read_bytes(), f
+    tok_cfg = json.loads((step / "tokenizer_config.json").read_text())
+    gen = json.loads((step / "generation_config.json").read_text())
+    if model_init == "checkpoint":
+        assert tok_cfg["chat_template"] == "{{ 'the source template' }}" and gen["top_k"] == 20
+    else:
+        assert tok_cfg["eos_token"] == "<|im_end|>" and gen["eos_token_id"] == [2028, 2026]
+    assert json.loads((step / "config.json").read_text())["torch_dtype"] == "float32"  # the source says bfloat16
+    from torchtune import config as tt_config
+
+    tok, tt = transformers.AutoTokenizer.from_pretrained(str(step)), tt_config.instantiate(cfg.tokenizer)
+    for text in ("12 + 7 = 19<|im_end|>\n", "Reverse: river stone"):
+        assert tok.encode(text, add_special_tokens=False) == tt.encode(text, add_bos=False, add_eos=False)
