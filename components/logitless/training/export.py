@@ -161,13 +161,15 @@ def tune_to_hf_converter(model_type: str, arch: Dict[str, int]) -> Callable[[Dic
                      f"expected one of {list(_RENAMING_TYPES)}")
 
 
-def _row_permutation(convert, key: str, shape: torch.Size) -> tuple:
-    """(HF key, row index map) of what ``convert`` does to a weight of ``shape`` stored at ``key``."""
-    probe = torch.arange(shape[0], dtype=torch.int64)[:, None].expand(shape[0], shape[1]).contiguous()
-    ((hf_key, out),) = convert({key: probe}).items()
-    if out.shape != probe.shape or not torch.equal(out, out[:, :1].expand_as(out)):
+def _row_permutation(convert, key: str, shape: torch.Size) -> torch.Tensor:
+    """Row index map of what ``convert`` does to a weight of ``shape`` stored at ``key``: HF row i is
+    tune row ``map[i]``."""
+    # an expanded column: no memory unless the converter permutes rows (then one int32 copy)
+    probe = torch.arange(shape[0], dtype=torch.int32)[:, None].expand(shape[0], shape[1])
+    (out,) = convert({key: probe}).values()
+    if out.shape != probe.shape or not torch.equal(out, out[:, :1].expand_as(out)):  # mixes columns
         raise ValueError(f"tune->HF conversion of {key!r} is not a row permutation; cannot export its adapter")
-    return hf_key, out[:, 0]
+    return out[:, 0].long()
 
 
 def tune_to_peft_adapter(adapter_state: Dict[str, torch.Tensor], base_shapes: Dict[str, torch.Size],
@@ -215,7 +217,7 @@ def tune_to_peft_adapter(adapter_state: Dict[str, torch.Tensor], base_shapes: Di
         # the permutation depends on the module kind and shape only; the key mapping on the layer too
         kind_key = (".".join(p if not p.isdigit() else "N" for p in module.split(".")), shape)
         if kind_key not in rows:
-            rows[kind_key] = _row_permutation(convert, base_key, shape)[1]
+            rows[kind_key] = _row_permutation(convert, base_key, shape)
         (hf_key,) = convert({base_key: torch.empty(shape, device="meta")}).keys()
         if suffix != _PEFT_KEY["lora_a"] + ".weight":
             value = value[rows[kind_key]]
