@@ -11,14 +11,14 @@ Layout of ``output_dir``::
         adapter_model.pt            LoRA adapters in torchtune format (resume)
         recipe_state.pt             optimizer, LR scheduler, step, epoch, data position, RNG, seed
         logitless_checkpoint.json   written last: step, epoch, files, config
-
-Everything beyond the weights comes from :class:`logitless.training.export.ModelExport` (see
-docs/export.md): with one, every folder is a model folder transformers, PEFT and vLLM load.
     .tmp-step_000020-<pid>/         a save in progress (removed on the next start)
 
 Every save is first written to a temporary folder, then renamed into place with one
 ``os.replace``: an interrupted run leaves either the previous checkpoint or the new one, never a
 half-written one that resume would load.
+
+Everything beyond the weights comes from :class:`logitless.training.export.ModelExport` (see
+docs/export.md): with one, every folder is a model folder that transformers, PEFT and vLLM load.
 """
 
 from __future__ import annotations
