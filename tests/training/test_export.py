@@ -14,6 +14,7 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 from logitless.data import TINY_CHECKPOINT_DIR
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
 from logitless.training import CheckpointManager, load_weights
+from logitless.training.config import ConfigError
 from logitless.training.export import ModelExport, model_arch, tune_to_peft_adapter
 
 transformers = pytest.importorskip("transformers")
@@ -141,7 +142,7 @@ def test_unsupported_model_type_is_refused_before_training(tmp_path):
     cfg = _run_cfg(tmp_path)
     cfg.checkpointer.model_type = "PHI3_MINI"
     model = lora_qwen2_5_tiny(["q_proj"], lora_rank=4)
-    with pytest.raises(ValueError, match=r"checkpointer.model_type: 'PHI3_MINI'.*expected one of"):
+    with pytest.raises(ConfigError, match=r"config key 'checkpointer.model_type': 'PHI3_MINI'.*expected one of"):
         ModelExport.for_run(cfg, model, lora=True)
 
 

@@ -40,6 +40,7 @@ from torchtune.modules import TiedLinear
 
 from logitless.data import TINY_TOKENIZER_DIR, hf_generation_config, hf_tokenizer_config
 from logitless.training import model as model_utils
+from logitless.training.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def tune_to_hf_converter(model_type: str, arch: Dict[str, int]) -> Callable[[Dic
         Callable: state dict (tune names) -> state dict (HF names).
 
     Raises:
-        ValueError: for a model type whose conversion is not renaming + row permutations.
+        ConfigError: for a model type whose conversion is not renaming + row permutations.
     """
     kw = dict(num_heads=arch["num_heads"], num_kv_heads=arch["num_kv_heads"], dim=arch["dim"],
               head_dim=arch["head_dim"])
@@ -157,8 +158,8 @@ def tune_to_hf_converter(model_type: str, arch: Dict[str, int]) -> Callable[[Dic
         return lambda sd: qwen2_tune_to_hf(sd, tie_word_embeddings=False, **kw)
     if model_type in _RENAMING_TYPES:
         return lambda sd: convert_weights.tune_to_hf(sd, **kw)
-    raise ValueError(f"checkpointer.model_type: {model_type!r} has no PEFT adapter export here; "
-                     f"expected one of {list(_RENAMING_TYPES)}")
+    raise ConfigError(f"config key 'checkpointer.model_type': {model_type!r} has no PEFT adapter export; "
+                      f"expected one of {list(_RENAMING_TYPES)} for a LoRA run")
 
 
 def _row_permutation(convert, key: str, shape: torch.Size) -> torch.Tensor:
@@ -283,8 +284,8 @@ class ModelExport:
         self._tokenizer = None
         if adapter_config is not None:
             if model_type is None:
-                raise ValueError("checkpointer.model_type: needed to export a PEFT adapter; the model is not a "
-                                 "Qwen2 decoder and no checkpointer names its type")
+                raise ConfigError("config key 'checkpointer.model_type': needed to export a PEFT adapter (the "
+                                  "model is not a Qwen2 decoder and model_init=random names no checkpointer)")
             tune_to_hf_converter(model_type, arch)  # raises for a type we cannot export, before any step
 
     @classmethod
