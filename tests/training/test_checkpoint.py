@@ -57,7 +57,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001"]
     assert not (tmp_path / "step_000002").exists()
     assert any(p.name.startswith(".tmp-step_000002") for p in tmp_path.iterdir())  # the partial save
-    mgr2 = CheckpointManager(_cfg(), str(tmp_path), keep_last_n=2)  # a new run cleans it up
+    mgr2 = CheckpointManager(_cfg(), str(tmp_path), keep_last_n=2, run_id=mgr.run_id)  # the run restarted cleans it up
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
     assert mgr2.latest().name == "step_000001"
     for s in (2, 3, 4):
