@@ -127,7 +127,9 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Dict[str
 
 def _occupied(out: Path, entries: List[str], run: Optional[Dict[str, Any]]) -> ConfigError:
     shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
-    owner = f"run {run['run_id']}'s files" if run and run.get("run_id") else "files of another run"
+    ids = {run["run_id"]} if run and run.get("run_id") else set()
+    ids |= {m["run_id"] for m in map(read_marker, complete_checkpoints(out)) if m and m.get("run_id")}
+    owner = f"files of run {', '.join(sorted(ids))}" if ids else "files of another run"
     return ConfigError(
         f"config key 'output_dir': {str(out)!r} is not empty: it holds {owner} ({shown}). A new run never writes "
         f"into another run's folder (its checkpoints could be replaced or deleted by retention). Either resume "
@@ -165,7 +167,7 @@ def _decide(cfg: DictConfig) -> Tuple[Optional[Path], str, List[str]]:
     for d in reversed(complete_checkpoints(out)):
         problems = verify_checkpoint(d)
         if not problems:
-            why = f", skipping newer {', '.join(s for s, _ in skipped)} that do not verify" if skipped else ""
+            why = f" (skipped newer, not verifying: {', '.join(s for s, _ in skipped)})" if skipped else ""
             notes.append(f"Resuming from {d}: the newest checkpoint of {out} that verifies{why}")
             meta = read_marker(d)
             return d, meta.get("run_id") or new_run_id(), [*notes]
