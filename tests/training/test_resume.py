@@ -10,7 +10,7 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from logitless.models import qwen2_5_tiny
 from logitless.training import CheckpointManager, ConfigError, config_summary
-from logitless.training.checkpoint import read_run_file
+from logitless.training.checkpoint import read_run_file, record_session
 from logitless.training.distributed import Runtime
 from logitless.training.resume import apply_optimizer_changes, start_run, validate_resume_config
 
@@ -169,3 +169,16 @@ def test_changed_optimizer_settings_are_applied_to_the_loaded_state(caplog):
     with pytest.raises(ConfigError, match=r"'optimizer.momentum': changed since the checkpoint \(0.9 -> 0.5\) but "
                                           r"it is not a setting of AdamW's param groups"):
         apply_optimizer_changes(opt, sched, {"optimizer.momentum": (0.9, 0.5)})
+
+
+def test_a_run_that_saved_nothing_is_restarted_by_auto_and_claims_are_exclusive(tmp_path):
+    first = start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)  # claims the folder, saves nothing
+    with pytest.raises(ConfigError, match=rf"is not empty: it holds files of run {first.run_id} \(logitless_run.json\)"):
+        start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
+    again = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
+    assert again.run_id == first.run_id and again.checkpoint is None
+    assert len(read_run_file(tmp_path)["sessions"]) == 2
+    # two new runs that both saw the folder empty: the second claim fails
+    with pytest.raises(FileExistsError):
+        record_session(tmp_path, "another-run", new_run=True)
+    assert read_run_file(tmp_path)["run_id"] == first.run_id

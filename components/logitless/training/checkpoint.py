@@ -106,7 +106,7 @@ def read_run_file(output_dir: Union[str, os.PathLike]) -> Optional[Dict[str, Any
 
 
 def record_session(output_dir: Union[str, os.PathLike], run_id: str, *, resumed_from: Optional[str] = None,
-                   recipe: Optional[str] = None) -> Path:
+                   recipe: Optional[str] = None, new_run: bool = False) -> Path:
     """Claims ``output_dir`` for ``run_id`` and appends this session to its run file (atomically).
 
     Args:
@@ -114,20 +114,27 @@ def record_session(output_dir: Union[str, os.PathLike], run_id: str, *, resumed_
         run_id (str): the run id this session writes under.
         resumed_from (Optional[str]): the checkpoint folder this session starts from.
         recipe (Optional[str]): the recipe's name, recorded.
+        new_run (bool): claim the folder for a new run: fails if a run file exists (two runs started
+            at once into one empty folder: the second one stops).
 
     Returns:
         Path: the run file.
+
+    Raises:
+        FileExistsError: ``new_run`` and the folder already has a run file.
 
     Example:
         >>> record_session("outputs/tiny_full", new_run_id(), recipe="full_sft_single_device")
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    path = out / RUN_FILE
+    if new_run:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic claim
     prev = read_run_file(out)
     sessions = prev.get("sessions", []) if prev and prev.get("run_id") == run_id else []
     sessions.append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "recipe": recipe, "resumed_from": resumed_from, "pid": os.getpid()})
-    path = out / RUN_FILE
     tmp = out / f".tmp-{RUN_FILE}-{os.getpid()}"
     tmp.write_text(json.dumps({"run_id": run_id, "sessions": sessions}, indent=2) + "\n")
     os.replace(tmp, path)

@@ -222,6 +222,13 @@ def start_run(cfg: DictConfig, *, fixed_keys: Sequence[str], runtime, recipe: Op
     if runtime.is_rank_zero:
         try:
             decision = _decide(cfg)
+            if decision[0] is None:  # a fresh start: claim the folder now (a concurrent start loses)
+                try:
+                    record_session(cfg.output_dir, decision[1], recipe=recipe,
+                                   new_run=read_run_file(cfg.output_dir) is None)
+                except FileExistsError:
+                    raise _occupied(Path(cfg.output_dir), sorted(p.name for p in Path(cfg.output_dir).iterdir()),
+                                    read_run_file(cfg.output_dir)) from None
         except ConfigError as e:
             decision = e
     decision = runtime.broadcast_object(decision)
@@ -249,7 +256,8 @@ def start_run(cfg: DictConfig, *, fixed_keys: Sequence[str], runtime, recipe: Op
                     f"  {k}: {a!r} -> {b!r}{_ALLOWED_NOTE if any(_matches(k, x) for x in allowed) else ''}"
                     for k, (a, b) in start.changes.items()))
     if runtime.is_rank_zero:
-        record_session(cfg.output_dir, run_id, resumed_from=str(checkpoint) if checkpoint else None, recipe=recipe)
+        if checkpoint is not None:
+            record_session(cfg.output_dir, run_id, resumed_from=str(checkpoint), recipe=recipe)
         for n in notes:
             log.info(n)
     return start
