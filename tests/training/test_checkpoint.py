@@ -114,11 +114,11 @@ def test_retention_counts_and_deletes_only_this_runs_checkpoints(tmp_path):
     for s in (100, 125):
         first.save(step=s, epoch=0, recipe_state={}, model_state=sd)
     second = CheckpointManager(None, str(tmp_path), keep_last_n=2)
-    assert second.run_id != first.run_id
     for s in (50, 62, 75):
         second.save(step=s, epoch=0, recipe_state={}, model_state=sd)
     names = [p.name for p in complete_checkpoints(tmp_path)]
     assert names == ["step_000062", "step_000075", "step_000100", "step_000125"]
+    assert second.run_id != first.run_id
     assert [p.name for p in second.own_checkpoints()] == ["step_000062", "step_000075"]
 
 
@@ -141,9 +141,10 @@ def test_save_logs_the_final_folder_never_the_temporary_one(tmp_path, caplog):
     sd = mgr.load_model_state()
     with caplog.at_level(logging.DEBUG):
         path = mgr.save(step=3, epoch=0, recipe_state={}, model_state=sd)
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert ".tmp" not in text and "epoch_0" not in text, text
         final = mgr.log_final(3)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert ".tmp" not in text and "epoch_0" not in text, text
     assert f"Saved checkpoint of step 3 to {path}" in text
     assert final == path and text.count("Final model") == 1 and f"Final model (step 3): {path}" in text
 

@@ -157,7 +157,8 @@ def _decide(cfg: DictConfig) -> Tuple[Optional[Path], str, List[str]]:
         inside = ckpt.resolve().parent == out.resolve()
         if entries and not inside and (run is None or run.get("run_id") != meta.get("run_id")):
             raise _occupied(out, entries, run)
-        later = [d.name for d in complete_checkpoints(out) if checkpoint_step(d) > checkpoint_step(ckpt)]
+        step = meta.get("step", checkpoint_step(ckpt)) or 0  # the marker's step: the folder may be renamed
+        later = [d.name for d in complete_checkpoints(out) if checkpoint_step(d) > step]
         if later:
             raise ConfigError(f"{key}: output_dir {str(out)!r} holds checkpoints past {ckpt.name} ({', '.join(later)}); "
                               f"resuming {ckpt} there would mix two histories of the run. Resume into another "
