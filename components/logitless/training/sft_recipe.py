@@ -3,7 +3,8 @@
 
 Order of set-up (nothing is built before the whole config is validated):
 validate config -> process group / device / seed -> tokenizer, dataset and every row's length
-(:func:`~logitless.training.preflight.fit_sft_dataset`) -> model (+ weights) -> LoRA freeze ->
+(:func:`~logitless.training.preflight.fit_sft_dataset`) -> run start (output_dir ownership, verified
+checkpoint, config changes: :func:`~logitless.training.resume.start_run`) -> model (+ weights) -> LoRA freeze ->
 loss protocol (``loss_fn.set_model_output``) -> activation checkpointing -> compile -> FSDP2 ->
 optimizer / LR schedule -> data loader -> resume state -> train loop (TrainStep) -> checkpoints.
 """
