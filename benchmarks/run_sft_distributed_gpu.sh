@@ -10,6 +10,7 @@ random05=(model_init=random tokenizer._component_=logitless.data.synthetic_token
           dataset._component_=logitless.data.synthetic_dataset dataset.seq_len=2048 dataset.num_samples=64)
 run_pair() {  # name config extra-args...
     local name=$1 cfg=$2; shift 2
+    rm -rf /tmp/sft_$name  # a new run refuses a non-empty output_dir
     python3 -m full_sft_single_device --config "$cfg" "$@" batch_size=4 gradient_accumulation_steps=2 \
         max_steps=6 save_every_n_steps=1000 output_dir=/tmp/sft_$name/single > "$out/${name}_single.log" 2>&1
     echo "$name single rc=$?"

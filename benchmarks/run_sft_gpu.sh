@@ -13,6 +13,7 @@ sft() { timeout "$1" python3 benchmarks/bench_sft.py "${@:2}" --out "$out/sft_h2
 for section in "$@"; do
 case $section in
 recipe)
+    rm -rf /tmp/sft_recipe  # a new run refuses a non-empty output_dir
     timeout 150 python3 -m full_sft_single_device --config configs/qwen2_5_0_5b_full.yaml model_init=random \
         tokenizer._component_=logitless.data.synthetic_tokenizer tokenizer.vocab_size=151936 \
         dataset._component_=logitless.data.synthetic_dataset dataset.seq_len=4096 dataset.num_samples=64 \

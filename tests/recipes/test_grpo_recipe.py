@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from logitless.rl.recipe import GRPORecipe
+from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,3 +164,19 @@ def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
     assert cfg.loss.temperature == cfg.generation.temperature
     with pytest.raises(ConfigError, match="does not exist"):  # the real config points at tune download paths
         validate_grpo_config(OmegaConf.load(ROOT / "configs/qwen_grpo.yaml"))
+
+
+def test_another_runs_folder_and_changed_group_size_are_refused_before_the_policy_is_built(tmp_path, monkeypatch):
+    GRPORecipe(tiny_cfg(tmp_path, "max_steps=1")).run()
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def fail(*a, **k):
+        raise AssertionError("the policy was built before the output folder / resume was checked")
+
+    monkeypatch.setattr(model_utils, "build_model", fail)
+    with pytest.raises(ConfigError, match=r"config key 'output_dir': .* is not empty: it holds files of run .*step_000001"
+                                          r".*resume_from_checkpoint=auto.*another output_dir"):
+        GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "num_generations=2")).run()
+    with pytest.raises(ConfigError, match=r"'num_generations': 4 -> 2.*resume_allow_changes=\[num_generations\]"):
+        GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "num_generations=2", "resume_from_checkpoint=auto")).run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -2,6 +2,8 @@
 LoRA adapters and merging, CLI entry points, distributed == single device."""
 
 import glob
+import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -14,7 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
-from logitless.training import CheckpointManager, complete_checkpoints, read_disk_log
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+from logitless.training import CheckpointManager, ConfigError, complete_checkpoints, read_disk_log
+from logitless.training import model as model_utils
+from logitless.training.checkpoint import verify_checkpoint
 from logitless.training.sft_recipe import SFTRecipe, validate_sft_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -190,3 +196,77 @@ def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo
     resumed = logged_losses(str(tmp_path / "resumed"))
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == pytest.approx([dist_losses[3], dist_losses[4]], rel=1e-6)
+
+
+def _file_hashes(folder):
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pathlib.Path(folder).rglob("*")) if p.is_file()}
+
+
+def _no_model_build(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("the model was built before the output folder / resume was checked")
+    monkeypatch.setattr(model_utils, "build_model", fail)
+
+
+def test_second_run_into_the_same_output_dir_is_refused_and_the_first_kept(repo_cwd, tmp_path, monkeypatch):
+    """The user's case: a second run with other overrides into the first run's folder used to save
+    steps that retention deleted (the first run's higher steps sorted last), and later overwrote them."""
+    out = tmp_path / "out"
+    SFTRecipe(tiny_config("tiny_full", out, **dict(FAST, max_steps=4, save_every_n_steps=2,
+                                                    keep_last_n_checkpoints=2))).run()
+    before = _file_hashes(out)
+    assert [d.name for d in complete_checkpoints(out)] == ["step_000002", "step_000004"]
+    _no_model_build(monkeypatch)
+    with pytest.raises(ConfigError) as e:
+        SFTRecipe(tiny_config("tiny_full", out, **dict(FAST, max_steps=3, batch_size=2, save_every_n_steps=1,
+                                                       keep_last_n_checkpoints=2))).run()
+    msg = str(e.value)
+    for part in ("config key 'output_dir'", str(out), "step_000002", "step_000004", "logs",
+                 "resume_from_checkpoint=auto", "another output_dir"):
+        assert part in msg, (part, msg)
+    assert _file_hashes(out) == before
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_a_new_lr(repo_cwd, tmp_path, monkeypatch, caplog):
+    out = tmp_path / "out"
+    over = dict(FAST, max_steps=2, save_every_n_steps=1, keep_last_n_checkpoints=None)
+    SFTRecipe(tiny_config("tiny_full", out, **over)).run()
+    weights = out / "step_000002" / "model-00001-of-00001.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 3)
+    resume = dict(over, max_steps=4, resume_from_checkpoint="auto")
+    # changed batch geometry / seed: refused before the model is built, every key listed
+    with monkeypatch.context() as m:
+        _no_model_build(m)
+        with pytest.raises(ConfigError, match=r"'batch_size': 4 -> 2; 'seed': 0 -> 1 .*"
+                                              r"resume_allow_changes=\[batch_size, seed\]"):
+            SFTRecipe(tiny_config("tiny_full", out, **dict(resume, batch_size=2, seed=1))).run()
+    caplog.clear()
+    recipe = SFTRecipe(tiny_config("tiny_full", out, **dict(resume, optimizer__lr=1e-3)))
+    with caplog.at_level(logging.INFO):
+        losses = recipe.run()
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"Skipping checkpoint {out / 'step_000002'}: {weights}: {size // 3} bytes, the marker records {size}" in log
+    assert f"Resuming from {out / 'step_000001'}" in log
+    assert "optimizer.lr: 0.003 -> 0.001 applied" in log and ".tmp" not in log
+    assert log.count("Final model") == 1 and f"Final model (step 4): {out / 'step_000004'}" in log
+    assert len(losses) == 3  # steps 2-4 redone from step 1
+    # the lr after each step is the new base lr times the schedule's factor (a fresh schedule as reference)
+    p = torch.nn.Parameter(torch.zeros(1))
+    ref = torch.optim.SGD([p], lr=1e-3)
+    sched = get_cosine_schedule_with_warmup(ref, num_warmup_steps=1, num_training_steps=4)
+    for _ in range(4):
+        sched.step()
+    assert recipe.optimizer.param_groups[0]["initial_lr"] == 1e-3
+    assert recipe.optimizer.param_groups[0]["lr"] == pytest.approx(ref.param_groups[0]["lr"], rel=1e-12)
+    logged_lr = {}
+    for f in glob.glob(str(out / "logs" / "log_*.txt")):
+        logged_lr.update(read_disk_log(f).get("lr", {}))
+    sched2 = get_cosine_schedule_with_warmup(torch.optim.SGD([p], lr=1e-3), num_warmup_steps=1, num_training_steps=4)
+    for _ in range(3):
+        sched2.step()
+    assert logged_lr[3] == pytest.approx(sched2.get_last_lr()[0], rel=1e-6)  # the lr set for step 4
+    # the damaged step_000002 was replaced by the resumed run's own
+    assert verify_checkpoint(out / "step_000002") == []

@@ -1,6 +1,9 @@
-"""Atomic HF-format checkpoints through torchtune's checkpointer; named mismatches."""
+"""Atomic HF-format checkpoints through torchtune's checkpointer: checksummed markers, ownership by run id,
+retention of the run's own checkpoints, final paths in the log; named mismatches."""
 
+import hashlib
 import json
+import logging
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import logitless.training.checkpoint as ckpt_mod
 from logitless.data import TINY_CHECKPOINT_DIR
 from logitless.models import qwen2_5_tiny
 from logitless.training import CheckpointManager, CheckpointMismatchError, complete_checkpoints, load_weights
+from logitless.training.checkpoint import verify_checkpoint
 
 
 def _cfg():
@@ -57,7 +61,7 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001"]
     assert not (tmp_path / "step_000002").exists()
     assert any(p.name.startswith(".tmp-step_000002") for p in tmp_path.iterdir())  # the partial save
-    mgr2 = CheckpointManager(_cfg(), str(tmp_path), keep_last_n=2)  # a new run cleans it up
+    mgr2 = CheckpointManager(_cfg(), str(tmp_path), keep_last_n=2, run_id=mgr.run_id)  # the run restarted cleans it up
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
     assert mgr2.latest().name == "step_000001"
     for s in (2, 3, 4):
@@ -81,3 +85,80 @@ def test_random_init_checkpoints_in_torchtune_format(tmp_path):
     sd = mgr.load_model_state(path)
     for k, v in model.state_dict().items():
         assert torch.equal(sd[k], v)
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_marker_records_size_and_sha256_of_every_file_and_extra_files(tmp_path):
+    tok = tmp_path / "src_tokenizer.json"
+    tok.write_text('{"vocab": {"a": 0}}')
+    mgr = CheckpointManager(_cfg(), str(tmp_path / "out"))
+    path = mgr.save(step=1, epoch=0, recipe_state={"step": 1}, model_state=mgr.load_model_state(),
+                    extra_files={"tokenizer.json": tok})
+    meta = json.loads((path / "logitless_checkpoint.json").read_text())
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {"logitless_checkpoint.json"}
+    assert set(meta["files"]) == on_disk and {"tokenizer.json", "recipe_state.pt", "config.json"} <= on_disk
+    for name, rec in meta["files"].items():
+        assert rec == {"size": (path / name).stat().st_size, "sha256": _sha256(path / name)}, name
+    assert meta["run_id"] == mgr.run_id
+    assert (path / "tokenizer.json").read_text() == tok.read_text()
+    assert verify_checkpoint(path) == []
+
+
+def test_retention_counts_and_deletes_only_this_runs_checkpoints(tmp_path):
+    """The user's case: a first run left step 100 and 125; a second run with keep_last_n=2 must keep them."""
+    sd = qwen2_5_tiny(num_layers=1).state_dict()
+    first = CheckpointManager(None, str(tmp_path), keep_last_n=2)
+    for s in (100, 125):
+        first.save(step=s, epoch=0, recipe_state={}, model_state=sd)
+    second = CheckpointManager(None, str(tmp_path), keep_last_n=2)
+    for s in (50, 62, 75):
+        second.save(step=s, epoch=0, recipe_state={}, model_state=sd)
+    names = [p.name for p in complete_checkpoints(tmp_path)]
+    assert names == ["step_000062", "step_000075", "step_000100", "step_000125"]
+    assert second.run_id != first.run_id
+    assert [p.name for p in second.own_checkpoints()] == ["step_000062", "step_000075"]
+
+
+def test_save_never_replaces_a_folder_of_another_run(tmp_path):
+    sd = qwen2_5_tiny(num_layers=1).state_dict()
+    first = CheckpointManager(None, str(tmp_path))
+    path = first.save(step=2, epoch=0, recipe_state={"who": "first"}, model_state=sd)
+    before = {p.name: _sha256(p) for p in path.iterdir()}
+    with pytest.raises(FileExistsError, match=rf"step_000002 was written by run {first.run_id}"):
+        CheckpointManager(None, str(tmp_path)).save(step=2, epoch=0, recipe_state={"who": "second"}, model_state=sd)
+    assert {p.name: _sha256(p) for p in path.iterdir()} == before
+    # the same run may replace its own checkpoint (a resume redoing a step)
+    CheckpointManager(None, str(tmp_path), run_id=first.run_id).save(step=2, epoch=0, recipe_state={"who": "again"},
+                                                                     model_state=sd)
+    assert CheckpointManager.load_recipe_state(path)["who"] == "again"
+
+
+def test_save_logs_the_final_folder_never_the_temporary_one(tmp_path, caplog):
+    mgr = CheckpointManager(_cfg(), str(tmp_path))
+    sd = mgr.load_model_state()
+    with caplog.at_level(logging.DEBUG):
+        path = mgr.save(step=3, epoch=0, recipe_state={}, model_state=sd)
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert ".tmp" not in text and "epoch_0" not in text, text
+        final = mgr.log_final(3)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"Saved checkpoint of step 3 to {path}" in text
+    assert final == path and text.count("Final model") == 1 and f"Final model (step 3): {path}" in text
+
+
+@pytest.mark.parametrize("name", ["model-00001-of-00001.safetensors", "recipe_state.pt"])
+def test_verify_names_a_truncated_file(tmp_path, name):
+    mgr = CheckpointManager(_cfg(), str(tmp_path))
+    path = mgr.save(step=1, epoch=0, recipe_state={"x": torch.zeros(1000)}, model_state=mgr.load_model_state())
+    full = (path / name).stat().st_size
+    with open(path / name, "r+b") as f:
+        f.truncate(full // 2)
+    assert verify_checkpoint(path) == [f"{path / name}: {full // 2} bytes, the marker records {full} (truncated?)"]
+    # the size restored, the second half zeros: the checksum catches it
+    with open(path / name, "r+b") as f:
+        f.truncate(full)
+    assert verify_checkpoint(path) == [f"{path / name}: sha256 differs from the one the marker records "
+                                       f"(the file was modified or damaged)"]

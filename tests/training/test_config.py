@@ -42,7 +42,7 @@ def no_model_build(monkeypatch):
     ({"loss": {"_component_": "logitless.losses.NoSuchLoss"}}, r"config key 'loss._component_': cannot import 'logitless.losses.NoSuchLoss'"),
     ({"optimizer": {"_component_": "torch.optim.SGD", "lr": None, "weight_decay": 0.0, "fused": False}}, None),
     ({"lr_scheduler": {"num_warmup_step": 3}}, r"'lr_scheduler.num_warmup_step'"),
-    ({"resume_from_checkpoint": "maybe"}, r"config key 'resume_from_checkpoint': expected one of"),
+    ({"resume_from_checkpoint": "maybe"}, r"config key 'resume_from_checkpoint': 'maybe' is not a folder; expected true, false, 'auto'"),
     ({"model_init": "zeros"}, r"config key 'model_init': expected one of \['checkpoint', 'random'\]"),
 ])
 def test_bad_values_name_the_key(cfg, override, match):

@@ -18,7 +18,8 @@ samples the same completions as one device does, whatever the number of ranks.
 
 Set-up order: validate the whole config -> process group / device / seed -> tokenizer, data (every
 prompt's length checked against the model's max_seq_len: :mod:`logitless.rl.preflight`),
-rewards -> policy (+ weights, LoRA freeze) -> rollout copy (sharded runs) -> reference (frozen copy, or adapters disabled for LoRA;
+rewards -> run start (output_dir ownership, verified checkpoint, config changes:
+:func:`logitless.training.resume.start_run`) -> policy (+ weights, LoRA freeze) -> rollout copy (sharded runs) -> reference (frozen copy, or adapters disabled for LoRA;
 only if beta > 0) -> resume -> FSDP2 -> optimizer -> loop. Checkpoints, resume, sharding, metric
 logging and the progress bar come from :mod:`logitless.training`; everything GRPO-specific from
 :mod:`logitless.rl`.
@@ -48,7 +49,7 @@ from logitless.rl.shared_batch import (ATTENTION_SETTINGS, PROMPT_SHARING, flex_
                                        packing_attention, training_batch, use_prompt_sharing)
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
+from logitless.training.checkpoint import CheckpointManager, set_rng_state
 from logitless.training.cli import report_errors
 from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
@@ -56,6 +57,7 @@ from logitless.training.distributed import FSDP_KEYS, Runtime, launched_world_si
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer, instantiate_dataset, model_limits
 from logitless.training.progress import ProgressBar, peak_memory_gib
+from logitless.training.resume import RESUME_KEYS, apply_optimizer_changes, start_run, validate_resume_config
 
 GRPO_SCHEMA: Dict[str, Key] = {
     "output_dir": Key(str, doc="folder for checkpoints and logs"),
@@ -70,7 +72,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "checkpointer": Key((None,), default=None, component=True),
     "metric_logger": Key((None,), default=None, component=True),
     "model_init": Key(str, default="checkpoint", choices=("checkpoint", "random")),
-    "resume_from_checkpoint": Key((bool, str), default=False, choices=(True, False, "auto")),
+    **RESUME_KEYS,
     "seed": Key(int, default=0),
     "device": Key(str, default="auto"),
     "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
@@ -105,6 +107,10 @@ GRPO_SCHEMA: Dict[str, Key] = {
                        doc="prompts with prompt + max_new_tokens > the model's max_seq_len: drop, keep their end "
                            "(truncate), or stop with an error; counts are logged at start"),
 }
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
+                        "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
+                        "checkpointer.checkpoint_files", "checkpointer.model_type")
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
 
 
@@ -130,6 +136,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     skip += [k for k in ("tokenizer", "dataset", "eval_dataset")
              if isinstance(cfg.get(k), DictConfig) and "synthetic" in str(cfg[k].get("_component_", ""))]
     validate_config(cfg, {**GRPO_SCHEMA, **(FSDP_KEYS if distributed else {})}, skip_file_checks=skip)
+    validate_resume_config(cfg, GRPO_FIXED_ON_RESUME)
     if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
         raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' (or model_init=random)")
     gen = cfg.generation
@@ -228,10 +235,13 @@ class GRPORecipe:
         self.gen_kwargs = gen
         self.pad_id = self.tokenizer.pad_id if getattr(self.tokenizer, "pad_id", None) is not None else 0
 
-        resume_dir = self._resume_dir()
+        # output_dir ownership, verified checkpoint, config changes: decided before the model is built
+        start = start_run(cfg, fixed_keys=GRPO_FIXED_ON_RESUME, runtime=self.runtime,
+                          recipe="grpo_distributed" if self.distributed else "grpo_single_device")
+        resume_dir = start.checkpoint
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
                                       cfg.output_dir, is_rank_zero=self.runtime.is_rank_zero,
-                                      keep_last_n=cfg.keep_last_n_checkpoints)
+                                      keep_last_n=cfg.keep_last_n_checkpoints, run_id=start.run_id)
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
         self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.is_lora)
@@ -270,11 +280,13 @@ class GRPORecipe:
         self.optimizer = tt_config.instantiate(cfg.optimizer, params)
         self.lr_scheduler = (tt_config.instantiate(cfg.lr_scheduler, self.optimizer)
                              if cfg.lr_scheduler is not None else None)
-        state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
+        state = start.recipe_state
         if state is not None:
             self.runtime.load_optimizer_state_dict(model, self.optimizer, state["optimizer"])
             if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            apply_optimizer_changes(self.optimizer, self.lr_scheduler, start.changes,
+                                    log_rank_zero=self.runtime.is_rank_zero)
             set_rng_state(self.runtime.own_rng_state(state["rng"]))
         return state
 
@@ -291,16 +303,6 @@ class GRPORecipe:
             setattr(self, key, ds)
             if self.runtime.is_rank_zero:
                 get_logger("INFO").info(report.message(key))
-
-    def _resume_dir(self):
-        r = self.cfg.resume_from_checkpoint
-        if r is False:
-            return None
-        done = complete_checkpoints(self.cfg.output_dir)
-        if not done and r is True:
-            raise ConfigError(f"config key 'resume_from_checkpoint': true, but {self.cfg.output_dir!r} holds no "
-                              f"complete checkpoint (use 'auto' to start fresh when there is none)")
-        return done[-1] if done else None
 
     # ------------------------------------------------------------------ pieces of a step
     def prompt_indices(self, step: int) -> List[int]:
@@ -471,6 +473,7 @@ class GRPORecipe:
         if cfg.save_final_checkpoint and last_saved != step:
             self.save(step)
         bar.close()
+        self.ckpt.log_final(step)
         logger.close()
         self.runtime.shutdown()
         return self.history

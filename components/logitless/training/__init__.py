@@ -9,7 +9,10 @@ One concern per module:
 - :mod:`~logitless.training.step`: :class:`TrainStep`, gradient accumulation normalised over the whole
   accumulated batch (a recipe passes ``loss_fn(batch)`` and ``count_fn(batch)``).
 - :mod:`~logitless.training.checkpoint`: :class:`CheckpointManager`, atomic HF-format checkpoints with
-  the recipe state, and exact resume; :func:`rng_state` / :func:`set_rng_state`.
+  the recipe state, a checksummed completion marker and the run id that owns them;
+  :func:`verify_checkpoint`; :func:`rng_state` / :func:`set_rng_state`.
+- :mod:`~logitless.training.resume`: :func:`start_run` (new run in an empty folder, or resume from the
+  newest verifying checkpoint, with the config changes checked) and :func:`apply_optimizer_changes`.
 - :mod:`~logitless.training.data`: :class:`ResumableSampler`, :func:`build_dataloader`.
 - :mod:`~logitless.training.model`: build in a dtype, load weights naming mismatches, LoRA, AC, compile.
 - :mod:`~logitless.training.progress`: tqdm bar, tokens/s, peak memory.
@@ -18,19 +21,22 @@ One concern per module:
 - :mod:`~logitless.training.sft_recipe`: :class:`SFTRecipe`, the body of the three SFT recipes.
 """
 
-from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, rng_state, set_rng_state
+from logitless.training.checkpoint import (CheckpointManager, complete_checkpoints, rng_state, set_rng_state,
+                                          verify_checkpoint)
 from logitless.training.config import ConfigError, Key, config_summary, resolve_component, validate_config
 from logitless.training.data import ResumableSampler, batch_to_device, build_dataloader, is_packed
 from logitless.training.metric_logging import build_metric_logger, read_disk_log
 from logitless.training.model import CheckpointMismatchError, build_model, check_state_dict, load_weights
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
+from logitless.training.resume import RunStart, apply_optimizer_changes, start_run
 from logitless.training.sft import SFTObjective
 from logitless.training.step import StepResult, TrainStep
 
 __all__ = [
     "CheckpointManager", "CheckpointMismatchError", "ConfigError", "Key", "ProgressBar", "ResumableSampler",
-    "SFTObjective", "StepResult", "StepTimer", "TrainStep", "batch_to_device", "build_dataloader",
+    "RunStart", "SFTObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes",
+    "batch_to_device", "build_dataloader",
     "build_metric_logger", "build_model", "check_state_dict", "complete_checkpoints", "config_summary",
     "is_packed", "load_weights", "peak_memory_gib", "read_disk_log", "resolve_component", "rng_state",
-    "set_rng_state", "validate_config",
+    "set_rng_state", "start_run", "validate_config", "verify_checkpoint",
 ]

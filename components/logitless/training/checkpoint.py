@@ -1,7 +1,8 @@
-"""Atomic HF-format checkpoints with the recipe state, and exact resume.
+"""Atomic, verified HF-format checkpoints with the recipe state; what a run owns in its folder.
 
 Layout of ``output_dir``::
 
+    logitless_run.json              the run that owns the folder: run id, one entry per session
     step_000020/                    one complete checkpoint (appears only once fully written)
         model-00001-of-00001.safetensors, model.safetensors.index.json, config.json, ...
                                     HF weights written by the torchtune checkpointer (full runs, or
@@ -9,13 +10,19 @@ Layout of ``output_dir``::
         tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, generation_config.json
         adapter/adapter_model.safetensors, adapter/adapter_config.json   PEFT adapter (LoRA)
         adapter_model.pt            LoRA adapters in torchtune format (resume)
-        recipe_state.pt             optimizer, LR scheduler, step, epoch, data position, RNG, seed
-        logitless_checkpoint.json   written last: step, epoch, files, config
-    .tmp-step_000020-<pid>/         a save in progress (removed on the next start)
+        recipe_state.pt             optimizer, LR scheduler, step, epoch, data position, RNG, seed, config
+        logitless_checkpoint.json   written last: step, epoch, run id, size and sha256 of every file
+    .tmp-step_000020-<run>-<pid>/   a save in progress (removed when the same run starts again)
 
 Every save is first written to a temporary folder, then renamed into place with one
-``os.replace``: an interrupted run leaves either the previous checkpoint or the new one, never a
-half-written one that resume would load.
+``os.replace``: an interrupted run leaves either the previous checkpoint or the new one. The
+completion marker records each file's size and sha256, so a checkpoint damaged afterwards (a
+truncated copy, a full disk) is recognised by :func:`verify_checkpoint` before resume loads it.
+
+A run knows what it owns by its run id, recorded in ``logitless_run.json`` and in every marker;
+a resume continues the run id of the checkpoint it starts from (:mod:`logitless.training.resume`
+decides). Retention (``keep_last_n``) counts and deletes only checkpoints of that run id, and a
+save never replaces a folder that another run wrote.
 
 Everything beyond the weights comes from :class:`logitless.training.export.ModelExport` (see
 docs/export.md): with one, every folder is a model folder that transformers, PEFT and vLLM load.
@@ -23,12 +30,17 @@ docs/export.md): with one, every folder is a model folder that transformers, PEF
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -36,12 +48,17 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from torchtune import config as tt_config
 from torchtune import training as tt_training
+from torchtune.utils import get_logger
 
-from logitless.training.export import ModelExport, folder_files
+log = get_logger()
+
+from logitless.training.export import ModelExport
 
 MARKER = "logitless_checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
+RUN_FILE = "logitless_run.json"
 _STEP_PREFIX = "step_"
+_HASH_BLOCK = 16 << 20
 
 
 def rng_state() -> Dict[str, Any]:
@@ -82,6 +99,147 @@ def _fsync_tree(path: Path) -> None:
         _fsync_dir(Path(root))
 
 
+def new_run_id() -> str:
+    """A fresh run id: UTC start time and a random suffix, e.g. ``20260123-055501-3f9c2a1b``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def read_run_file(output_dir: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
+    """The contents of ``output_dir/logitless_run.json``, or None when there is none (or it is unreadable)."""
+    try:
+        return json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_session(output_dir: Union[str, os.PathLike], run_id: str, *, resumed_from: Optional[str] = None,
+                   recipe: Optional[str] = None, new_run: bool = False) -> Path:
+    """Claims ``output_dir`` for ``run_id`` and appends this session to its run file (atomically).
+
+    Args:
+        output_dir: the run's output folder (created when missing).
+        run_id (str): the run id this session writes under.
+        resumed_from (Optional[str]): the checkpoint folder this session starts from.
+        recipe (Optional[str]): the recipe's name, recorded.
+        new_run (bool): claim the folder for a new run: fails if a run file exists (two runs started
+            at once into one empty folder: the second one stops).
+
+    Returns:
+        Path: the run file.
+
+    Raises:
+        FileExistsError: ``new_run`` and the folder already has a run file.
+
+    Example:
+        >>> record_session("outputs/tiny_full", new_run_id(), recipe="full_sft_single_device")
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RUN_FILE
+    if new_run:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic claim
+    prev = read_run_file(out)
+    sessions = prev.get("sessions", []) if prev and prev.get("run_id") == run_id else []
+    sessions.append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "recipe": recipe, "resumed_from": resumed_from, "pid": os.getpid()})
+    tmp = out / f".tmp-{RUN_FILE}-{os.getpid()}"
+    tmp.write_text(json.dumps({"run_id": run_id, "sessions": sessions}, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_marker(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
+    """The completion marker of a checkpoint folder, or None when it is missing or unreadable."""
+    try:
+        meta = json.loads((Path(checkpoint_dir) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def file_digest(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of one file, as the completion marker records it."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_HASH_BLOCK)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def verify_checkpoint(checkpoint_dir: Union[str, os.PathLike]) -> List[str]:
+    """Checks a checkpoint folder against its completion marker.
+
+    Every file the marker lists must exist with the recorded size and sha256. A marker written
+    before checksums were recorded (no ``files`` entry) is checked for the presence of its model
+    files and ``recipe_state.pt`` only.
+
+    Args:
+        checkpoint_dir: a ``step_*`` folder.
+
+    Returns:
+        List[str]: the problems found, each naming the file (empty: the checkpoint verifies).
+
+    Example:
+        >>> verify_checkpoint("outputs/tiny_full/step_000050")
+        ['outputs/tiny_full/step_000050/recipe_state.pt: 1024 bytes, the marker records 5123 (truncated?)']
+    """
+    d = Path(checkpoint_dir)
+    if not d.is_dir():
+        return [f"{d}: not a folder"]
+    meta = read_marker(d)
+    if meta is None:
+        what = "missing" if not (d / MARKER).exists() else "unreadable"
+        return [f"{d / MARKER}: {what} (the checkpoint was not completely written)"]
+    files = meta.get("files")
+    if files is None:  # written by an older logitless: presence only
+        names = list(meta.get("model_files") or []) + [RECIPE_STATE]
+        return [f"{d / n}: missing" for n in names if not (d / n).is_file()]
+    problems = []
+    for name, want in sorted(files.items()):
+        f = d / name
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+            continue
+        size = f.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{f}: {size} bytes, the marker records {want['size']}"
+                            f"{' (truncated?)' if size < want['size'] else ''}")
+        elif file_digest(f)["sha256"] != want["sha256"]:
+            problems.append(f"{f}: sha256 differs from the one the marker records (the file was modified or damaged)")
+    return problems
+
+
+def checkpoint_step(checkpoint_dir: Union[str, os.PathLike]) -> Optional[int]:
+    """The step a ``step_NNNNNN`` folder name encodes, or None for another name."""
+    name = Path(checkpoint_dir).name
+    if not name.startswith(_STEP_PREFIX):
+        return None
+    try:
+        return int(name[len(_STEP_PREFIX):])
+    except ValueError:
+        return None
+
+
+@contextmanager
+def _quiet_torchtune_checkpointer() -> Iterator[None]:
+    """Drops the torchtune checkpointer's log lines (they name the temporary folder) while saving."""
+    tt_log = logging.getLogger("torchtune.utils._logging")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.module != "_checkpointer"
+
+    tt_log.addFilter(keep)
+    try:
+        yield
+    finally:
+        tt_log.removeFilter(keep)
+
+
 def complete_checkpoints(output_dir: str | os.PathLike) -> List[Path]:
     """Complete ``step_*`` folders of ``output_dir``, oldest first.
 
@@ -98,18 +256,20 @@ def complete_checkpoints(output_dir: str | os.PathLike) -> List[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = []
-    for d in out.iterdir():
-        if d.is_dir() and d.name.startswith(_STEP_PREFIX) and (d / MARKER).is_file():
-            try:
-                found.append((int(d.name[len(_STEP_PREFIX):]), d))
-            except ValueError:
-                continue
+    found = [(checkpoint_step(d), d) for d in out.iterdir()
+             if d.is_dir() and checkpoint_step(d) is not None and (d / MARKER).is_file()]
     return [d for _, d in sorted(found)]
 
 
 class CheckpointManager:
-    """Loads the initial weights, saves complete checkpoints atomically, and finds the one to resume.
+    """Loads the initial weights, saves complete verified checkpoints atomically, keeps the last few.
+
+    A manager writes for one run id (a lineage: the run and its resumes). The marker of every
+    checkpoint it saves records that id with the size and sha256 of each file; retention
+    (``keep_last_n``) counts and deletes only checkpoints of that id, up to the step just saved; a
+    step folder written by another run is never replaced (``save`` raises instead). Log lines name
+    final folders only: torchtune's checkpointer, which names the temporary one, is silenced while
+    it writes.
 
     Args:
         checkpointer_cfg (Optional[DictConfig]): the recipe's ``checkpointer`` node (a torchtune
@@ -118,28 +278,34 @@ class CheckpointManager:
             can describe the model, else as torchtune-format safetensors).
         output_dir (str): where ``step_*`` folders go.
         is_rank_zero (bool): only rank 0 writes.
-        keep_last_n (Optional[int]): delete older complete checkpoints beyond this many.
+        keep_last_n (Optional[int]): delete this run's older checkpoints beyond this many.
+        run_id (Optional[str]): the run id recorded in each marker (a fresh one when None; a recipe
+            passes the one :func:`logitless.training.resume.start_run` chose).
         export (Optional[ModelExport]): completes each folder (tokenizer files, generation config,
             config dtype, PEFT adapter); None writes the weights and adapters only.
 
     Example:
-        >>> ckpt = CheckpointManager(cfg.checkpointer, cfg.output_dir)
+        >>> ckpt = CheckpointManager(cfg.checkpointer, cfg.output_dir, run_id=start.run_id)
         >>> sd = ckpt.load_model_state()                  # tune-format state dict
         >>> ckpt.save(step=10, epoch=0, model_state=model.state_dict(), recipe_state={...})
+        >>> ckpt.log_final()                              # "final model: outputs/run/step_000010"
     """
 
     def __init__(self, checkpointer_cfg: Optional[DictConfig], output_dir: str, *, is_rank_zero: bool = True,
-                 keep_last_n: Optional[int] = None, export: Optional[ModelExport] = None):
+                 keep_last_n: Optional[int] = None, run_id: Optional[str] = None,
+                 export: Optional[ModelExport] = None):
         self.cfg = checkpointer_cfg
         self.export = export
         self.output_dir = Path(output_dir)
         self.is_rank_zero = is_rank_zero
         self.keep_last_n = keep_last_n
+        self.run_id = run_id or new_run_id()
+        self.last_saved: Optional[Path] = None
         self._checkpointer = None
         if is_rank_zero:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            for d in self.output_dir.glob(".tmp-" + _STEP_PREFIX + "*"):
-                shutil.rmtree(d, ignore_errors=True)  # leftovers of an interrupted save
+            for d in self.output_dir.glob(f".tmp-{_STEP_PREFIX}*-{self.run_id}-*"):
+                shutil.rmtree(d, ignore_errors=True)  # leftovers of this run's interrupted save
 
     # ---------------------------------------------------------------- loading
     def latest(self) -> Optional[Path]:
@@ -218,6 +384,7 @@ class CheckpointManager:
         model_state: Optional[Dict[str, torch.Tensor]] = None,
         adapter_state: Optional[Dict[str, torch.Tensor]] = None,
         extra_meta: Optional[Dict[str, Any]] = None,
+        extra_files: Optional[Mapping[str, Union[str, os.PathLike]]] = None,
     ) -> Optional[Path]:
         """Writes one complete checkpoint atomically (rank 0 only; other ranks return None).
 
@@ -230,17 +397,30 @@ class CheckpointManager:
             adapter_state (Optional[Dict]): LoRA adapter weights (tune format): saved as
                 ``adapter_model.pt`` for resume, and in PEFT format under ``adapter/`` by ``export``.
             extra_meta (Optional[Dict]): recorded in the marker file.
+            extra_files (Optional[Mapping[str, path]]): more files for the folder, as
+                ``{name in the folder: source file}`` (e.g. tokenizer files); copied before the marker
+                is written, so they are checksummed like the rest.
 
         Returns:
             Optional[Path]: the checkpoint folder on rank 0.
+
+        Raises:
+            FileExistsError: when ``step_{step:06d}`` exists and was written by another run.
         """
         if not self.is_rank_zero:
             return None
         name = f"{_STEP_PREFIX}{step:06d}"
-        staging = self.output_dir / f".tmp-{name}-{os.getpid()}"
+        final = self.output_dir / name
+        if final.exists():
+            owner = (read_marker(final) or {}).get("run_id")
+            if owner != self.run_id:
+                raise FileExistsError(f"{final} was written by {'run ' + owner if owner else 'another run'}, "
+                                      f"not by this run ({self.run_id}); not replacing it")
+        staging = self.output_dir / f".tmp-{name}-{self.run_id}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        meta: Dict[str, Any] = {"step": step, "epoch": epoch, "model_files": [], "format": None}
+        meta: Dict[str, Any] = {"step": step, "epoch": epoch, "run_id": self.run_id, "model_files": [],
+                                "format": None}
         written = staging / "epoch_0"
         # Adapters never go through torchtune's checkpointer: its PEFT export permutes q/k rows for
         # every model (wrong for Qwen2); ModelExport writes them.
@@ -251,8 +431,9 @@ class CheckpointManager:
             prev = ckpt._output_dir
             ckpt._output_dir = staging  # torchtune 0.6.1 writes to <_output_dir>/epoch_<n>/
             try:
-                ckpt.save_checkpoint({tt_training.MODEL_KEY: dict(model_state)}, epoch=0,
-                                     intermediate_checkpoint=False)
+                with _quiet_torchtune_checkpointer():
+                    ckpt.save_checkpoint({tt_training.MODEL_KEY: dict(model_state)}, epoch=0,
+                                         intermediate_checkpoint=False)
             finally:
                 ckpt._output_dir = prev
             meta["format"] = "hf"
@@ -273,14 +454,21 @@ class CheckpointManager:
             torch.save(adapter_state, written / "adapter_model.pt")
         if self.export is not None:
             self.export.complete(written, model_state=model_state, adapter_state=adapter_state)
+        for rel, src in (extra_files or {}).items():
+            dst = written / rel
+            if Path(rel).is_absolute() or ".." in Path(rel).parts or dst.name in (MARKER, RECIPE_STATE):
+                raise ValueError(f"CheckpointManager.save: extra_files name {rel!r} must be a relative path "
+                                 f"inside the checkpoint folder, other than {MARKER} and {RECIPE_STATE}")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
         torch.save(recipe_state, written / RECIPE_STATE)
-        meta["files"] = folder_files(written)
         meta.update(extra_meta or {})
-        (written / MARKER).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        meta["files"] = {p.relative_to(written).as_posix(): file_digest(p)
+                         for p in sorted(written.rglob("*")) if p.is_file()}
+        (written / MARKER).write_text(json.dumps(meta, indent=2, default=str) + "\n")  # last: completes it
         _fsync_tree(written)
-        final = self.output_dir / name
         if final.exists():
-            trash = self.output_dir / f".tmp-{name}-old-{os.getpid()}"
+            trash = self.output_dir / f".tmp-{name}-{self.run_id}-old-{os.getpid()}"
             os.replace(final, trash)
             os.replace(written, final)
             shutil.rmtree(trash, ignore_errors=True)
@@ -288,7 +476,43 @@ class CheckpointManager:
             os.replace(written, final)
         _fsync_dir(self.output_dir)
         shutil.rmtree(staging, ignore_errors=True)
-        if self.keep_last_n is not None:
-            for old in complete_checkpoints(self.output_dir)[: -self.keep_last_n]:
-                shutil.rmtree(old, ignore_errors=True)
+        size = sum(f["size"] for f in meta["files"].values())
+        log.info(f"Saved checkpoint of step {step} to {final} ({len(meta['files']) + 1} files, "
+                 f"{size / 1024 ** 3:.2f} GiB)")
+        self.last_saved = final
+        self._apply_retention(step)
         return final
+
+    def own_checkpoints(self) -> List[Path]:
+        """Complete checkpoints of ``output_dir`` written under this manager's run id, oldest first."""
+        return [d for d in complete_checkpoints(self.output_dir) if (read_marker(d) or {}).get("run_id") == self.run_id]
+
+    def _apply_retention(self, step: int) -> None:
+        # Only this run's checkpoints up to the step just saved: a later step of this run (left by a
+        # resume that fell back past a damaged checkpoint) is replaced when the run reaches it again.
+        if self.keep_last_n is None:
+            return
+        mine = [d for d in self.own_checkpoints() if checkpoint_step(d) <= step]
+        for old in mine[: -self.keep_last_n]:
+            shutil.rmtree(old, ignore_errors=True)
+            log.info(f"Removed checkpoint {old} (keep_last_n_checkpoints={self.keep_last_n})")
+
+    def log_final(self, step: int) -> Optional[Path]:
+        """Logs, once at the end of a run, the folder of the final model; returns it.
+
+        Args:
+            step (int): the step the run ended at.
+
+        Returns:
+            Optional[Path]: the checkpoint of ``step`` saved by this session, or None (other ranks,
+            or no checkpoint of the last step).
+        """
+        if not self.is_rank_zero:
+            return None
+        if self.last_saved is not None and checkpoint_step(self.last_saved) == step:
+            log.info(f"Final model (step {step}): {self.last_saved}")
+            return self.last_saved
+        newest = self.own_checkpoints()
+        log.info(f"Run ended at step {step} without a checkpoint of that step (save_final_checkpoint: false); "
+                 f"newest checkpoint of this run: {newest[-1] if newest else 'none'}")
+        return None

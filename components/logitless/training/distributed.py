@@ -291,6 +291,14 @@ class Runtime:
         dist.all_gather(parts, local)
         return torch.cat(parts).to(tensor.device)
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a picklable object; returned as is on one device)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

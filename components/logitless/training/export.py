@@ -408,9 +408,3 @@ class ModelExport:
         if adapter_state is not None:
             self.write_adapter(folder, adapter_state)
         self.write_tokenizer_files(folder)
-
-
-def folder_files(folder: Path) -> List[str]:
-    """Every file under ``folder`` as a relative POSIX path, sorted (what a completion marker lists)."""
-    return sorted(Path(os.path.relpath(os.path.join(root, f), folder)).as_posix()
-                  for root, _, files in os.walk(folder) for f in files)

@@ -3,7 +3,8 @@
 
 Order of set-up (nothing is built before the whole config is validated):
 validate config -> process group / device / seed -> tokenizer, dataset and every row's length
-(:func:`~logitless.training.preflight.fit_sft_dataset`) -> model (+ weights) -> LoRA freeze ->
+(:func:`~logitless.training.preflight.fit_sft_dataset`) -> run start (output_dir ownership, verified
+checkpoint, config changes: :func:`~logitless.training.resume.start_run`) -> model (+ weights) -> LoRA freeze ->
 loss protocol (``loss_fn.set_model_output``) -> activation checkpointing -> compile -> FSDP2 ->
 optimizer / LR schedule -> data loader -> resume state -> train loop (TrainStep) -> checkpoints.
 """
@@ -21,7 +22,7 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 from torchtune.utils import get_logger
 
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import CheckpointManager, complete_checkpoints, set_rng_state
+from logitless.training.checkpoint import CheckpointManager, set_rng_state
 from logitless.training.cli import report_errors
 from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
@@ -31,6 +32,7 @@ from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import (ON_TOO_LONG, check_device, check_optimizer, fit_sft_dataset,
                                           instantiate_dataset, model_limits)
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
+from logitless.training.resume import RESUME_KEYS, apply_optimizer_changes, start_run, validate_resume_config
 from logitless.training.sft import SFTObjective
 from logitless.training.step import TrainStep
 
@@ -47,8 +49,7 @@ SFT_SCHEMA: Dict[str, Key] = {
     "metric_logger": Key((None,), default=None, component=True),
     "model_init": Key(str, default="checkpoint", choices=("checkpoint", "random"),
                       doc="'random' skips loading weights (benchmarks, machines without downloads)"),
-    "resume_from_checkpoint": Key((bool, str), default=False, choices=(True, False, "auto"),
-                                  doc="resume from the newest complete checkpoint in output_dir"),
+    **RESUME_KEYS,
     "seed": Key(int, default=0),
     "shuffle": Key(bool, default=True),
     "batch_size": Key(int, default=2, min=1, doc="micro-batch size per device"),
@@ -70,6 +71,11 @@ SFT_SCHEMA: Dict[str, Key] = {
                        doc="rows longer than max_seq_len (tokenizer's or model's): cut, drop, or stop with an error; "
                            "counts are logged at start"),
 }
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+SFT_FIXED_ON_RESUME = ("batch_size", "gradient_accumulation_steps", "seed", "shuffle", "max_steps_per_epoch",
+                       "dataset", "tokenizer", "model", "model_init", "dtype", "optimizer._component_",
+                       "lr_scheduler._component_", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files",
+                       "checkpointer.model_type")
 LORA_KEYS: Dict[str, Key] = {
     "merge_adapters": Key(bool, default=True,
                           doc="save the base weights with the adapters merged (HF format) in every checkpoint, "
@@ -102,6 +108,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
     init = cfg.get("model_init", "checkpoint")
     skip = ("checkpointer",) if init == "random" else ()
     validate_config(cfg, schema, skip_file_checks=skip)
+    validate_resume_config(cfg, SFT_FIXED_ON_RESUME)
     if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
         raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' "
                           "(or set model_init=random)")
@@ -148,7 +155,7 @@ class SFTRecipe:
         cfg = self.cfg
         self.ckpt = CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None,
                                       cfg.output_dir, is_rank_zero=self.is_rank_zero,
-                                      keep_last_n=cfg.keep_last_n_checkpoints)
+                                      keep_last_n=cfg.keep_last_n_checkpoints, run_id=self.start.run_id)
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
         self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.lora)
@@ -187,6 +194,8 @@ class SFTRecipe:
             self.runtime.load_optimizer_state_dict(self.model, self.optimizer, recipe_state["optimizer"])
             if self.lr_scheduler is not None and recipe_state.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(recipe_state["lr_scheduler"])
+            apply_optimizer_changes(self.optimizer, self.lr_scheduler, self.start.changes,
+                                    log_rank_zero=self.is_rank_zero)
         self.train_step = TrainStep(self.model, self.optimizer, self.lr_scheduler,
                                     clip_grad_norm=cfg.clip_grad_norm,
                                     grads_averaged_over_ranks=self.distributed)
@@ -245,25 +254,18 @@ class SFTRecipe:
                 self.ckpt.save(step=self.step, epoch=self.epoch, recipe_state=state, model_state=full_sd)
         self.runtime.barrier()
 
-    def _resume_dir(self):
-        r = self.cfg.resume_from_checkpoint
-        if r is False:
-            return None
-        done = complete_checkpoints(self.cfg.output_dir)
-        found = done[-1] if done else None
-        if found is None and r is True:
-            raise ConfigError(f"config key 'resume_from_checkpoint': true, but {self.cfg.output_dir!r} holds no "
-                              f"complete checkpoint (use 'auto' to start fresh when there is none)")
-        return found
+    def _name(self) -> str:
+        return ("lora" if self.lora else "full") + "_sft_" + ("distributed" if self.distributed else "single_device")
 
     # ------------------------------------------------------------------ loop
     def run(self) -> List[float]:
         """Trains; returns the loss of every optimizer step this process ran."""
         cfg = self.cfg
         self._setup_runtime()
-        resume_dir = self._resume_dir()
-        recipe_state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
-        self._setup_dataset()
+        self._setup_dataset()  # config and data checks first: a run that fails them claims no folder
+        # output_dir ownership, verified checkpoint, config changes: decided before the model is built
+        self.start = start_run(cfg, fixed_keys=SFT_FIXED_ON_RESUME, runtime=self.runtime, recipe=self._name())
+        resume_dir, recipe_state = self.start.checkpoint, self.start.recipe_state
         self._setup_model(resume_dir)
         self._setup_data()
         self._setup_optim(recipe_state)
@@ -309,6 +311,7 @@ class SFTRecipe:
         if cfg.save_final_checkpoint and last_saved != self.step:
             self.save()
         bar.close()
+        self.ckpt.log_final(self.step)
         logger.close()
         self.runtime.shutdown()
         return self.losses
