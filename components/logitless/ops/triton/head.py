@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops._rows import zero_ignored_rows
 from logitless.ops.triton import kernels
 
 _ENV = os.environ.get
@@ -99,6 +100,28 @@ def _num_splits(rows: int, vocab: int, device: torch.device, block: int = 0) -> 
     splits = max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // max(rows, 1)), 32))
     span = -(-blocks // splits) * block
     return -(-vocab // span), span
+
+
+def rows_for_gradients(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                       idx: Optional[torch.Tensor], n_valid: int = -1) -> torch.Tensor:
+    """``hidden`` as the gradient GEMMs may read it: ignored rows never enter them.
+
+    Compacted (``idx`` given) they are skipped; with every row valid there is nothing to do. Only
+    without compaction (CUDA-graph capture, ``LOGITLESS_TRITON_COMPACT=0``) and with some (or an
+    unknown number of) ignored rows is the hidden copied with those rows zeroed: their dlogits are 0,
+    but ``0 * NaN = NaN`` inside ``dW = dl.T @ h`` would spread a NaN row over all of dW.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)``. labels (torch.Tensor): ``(N,)``. ignore_index (int).
+        idx (Optional[torch.Tensor]): from :func:`valid_rows`.
+        n_valid (int): the caller's count of non-ignored labels (-1: unknown).
+
+    Returns:
+        torch.Tensor: ``hidden`` itself or a copy with the ignored rows zeroed.
+    """
+    if idx is not None or n_valid == labels.numel():
+        return hidden
+    return zero_ignored_rows(hidden, labels != ignore_index)
 
 
 def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Optional[torch.Tensor]:
@@ -372,8 +395,9 @@ def head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index:
         Tuple[torch.Tensor, torch.Tensor]: ``dh`` ``(N, H)`` and ``dw`` ``(V, H)`` in the inputs'
         dtype (empty ``(0,)`` tensors for the ones not needed).
     """
-    return _slab_backward(hidden, weight, labels, valid_rows(labels, ignore_index, n_valid), lse,
-                          ent if g_ent is not None else None, g_logp, g_ent, None,
+    idx = valid_rows(labels, ignore_index, n_valid)
+    return _slab_backward(rows_for_gradients(hidden, labels, ignore_index, idx, n_valid), weight, labels, idx,
+                          lse, ent if g_ent is not None else None, g_logp, g_ent, None,
                           1.0 / temperature, ignore_index, need_dh, need_dw)
 
 
@@ -560,6 +584,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     count = (labels != ignore_index).sum()
     coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
     idx = valid_rows(labels, ignore_index, n_valid)
+    hidden = rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)

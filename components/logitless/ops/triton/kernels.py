@@ -224,6 +224,8 @@ def dlogits_kernel(
         g = tl.where(cols + col0 == label, c_lp, 0.0) - c_lp * p
         if HAS_GENT:
             g -= c_ent * p * (logp + ent)
+        # an ignored row's logits may be NaN (a NaN hidden row): 0 * NaN must not reach dW
+        g = tl.where(valid, g, 0.0)
         tl.store(base + cols, g.to(x.dtype), mask=mask)
 
 
@@ -307,6 +309,7 @@ def dlogits_t_kernel(
         g = tl.where(hit, c_lp[None, :], 0.0) - c_lp[None, :] * p
         if HAS_GENT:
             g -= c_ent[None, :] * p * (logp + ent[None, :])
+        g = tl.where(valid[None, :], g, 0.0)
         tl.store(out_ptr + addr, g.to(x.dtype), mask=mask)
 
 

@@ -75,6 +75,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     inv_t = 1.0 / temperature
     need_grad = need_dh or need_dw
     idx = head.valid_rows(labels, ignore_index, n_valid)
+    if need_grad:
+        hidden = head.rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     rows = n if idx is None else idx.numel()
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
