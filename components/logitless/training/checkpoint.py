@@ -32,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from torchtune import config as tt_config
 from torchtune import training as tt_training
 
+from logitless.training.nonfinite import check_finite_weights
+
 MARKER = "logitless_checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
 _STEP_PREFIX = "step_"
@@ -218,10 +220,16 @@ class CheckpointManager:
 
         Returns:
             Optional[Path]: the checkpoint folder on rank 0.
+
+        Raises:
+            NonFiniteWeightsError: a weight holds NaN or inf; nothing is written.
         """
         if not self.is_rank_zero:
             return None
         name = f"{_STEP_PREFIX}{step:06d}"
+        for part in (model_state, adapter_state):
+            if part is not None:
+                check_finite_weights(part, what=f"checkpoint {name}")
         staging = self.output_dir / f".tmp-{name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
