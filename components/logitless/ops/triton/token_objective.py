@@ -98,7 +98,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
             dh, dw = head._slab_backward(hidden, weight, labels, idx, lse, ent if gent is not None else None,
                                          glp, gent, None, inv_t, ignore_index, need_dh, need_dw)
         return value, logp, ent, dh, dw
-    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    logp, ent, lse = head.row_outputs(hidden, n)
     # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
     glp = hidden.new_zeros((n,), dtype=torch.float32)
     gent = hidden.new_zeros((n,), dtype=torch.float32) if need_entropy else None
