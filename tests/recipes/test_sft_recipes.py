@@ -190,3 +190,37 @@ def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo
     resumed = logged_losses(str(tmp_path / "resumed"))
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == pytest.approx([dist_losses[3], dist_losses[4]], rel=1e-6)
+
+
+def test_nan_run_skips_steps_stops_after_three_and_writes_no_nan_checkpoint(repo_cwd, tmp_path):
+    """SGD with lr=NaN: step 1 turns every weight into NaN; steps 2-4 have NaN losses and gradients and are
+    skipped (logged), and the run stops at step 4 naming it; a save of the NaN weights is refused."""
+    from logitless.training.nonfinite import NonFiniteStepsError, NonFiniteWeightsError
+
+    cfg = tiny_config("tiny_full", tmp_path / "a", **dict(FAST, max_steps=10))
+    OmegaConf.update(cfg, "optimizer", {"_component_": "torch.optim.SGD", "lr": float("nan")}, merge=False)
+    with pytest.raises(NonFiniteStepsError, match=r"3 optimizer steps in a row.*step 4"):
+        SFTRecipe(cfg).run()
+    log = read_disk_log(glob.glob(str(tmp_path / "a" / "logs" / "log_*.txt"))[0])
+    assert log["skipped"] == {1: 0.0, 2: 1.0, 3: 1.0} and log["skipped_steps"] == {1: 0, 2: 1, 3: 2}
+    assert complete_checkpoints(tmp_path / "a") == []
+    cfg = tiny_config("tiny_full", tmp_path / "b", **dict(FAST, max_steps=3, save_every_n_steps=1))
+    OmegaConf.update(cfg, "optimizer", {"_component_": "torch.optim.SGD", "lr": float("nan")}, merge=False)
+    with pytest.raises(NonFiniteWeightsError, match="refusing to write checkpoint step_000001"):
+        SFTRecipe(cfg).run()
+    assert complete_checkpoints(tmp_path / "b") == [] and not list((tmp_path / "b").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("value", [0, "three"])
+def test_max_consecutive_skipped_steps_is_validated(repo_cwd, tmp_path, value):
+    from logitless.rl.recipe import validate_grpo_config
+    from logitless.training.config import ConfigError
+
+    cfg = tiny_config("tiny_full", tmp_path, max_consecutive_skipped_steps=value)
+    with pytest.raises(ConfigError, match="max_consecutive_skipped_steps"):
+        validate_sft_config(cfg)
+    gcfg = OmegaConf.load(REPO / "configs" / "tiny_grpo.yaml")
+    gcfg.max_consecutive_skipped_steps = value
+    with pytest.raises(ConfigError, match="max_consecutive_skipped_steps"):
+        validate_grpo_config(gcfg)
+    assert validate_sft_config(tiny_config("tiny_full", tmp_path)).max_consecutive_skipped_steps == 3
