@@ -355,7 +355,7 @@ def linear_cross_entropy(
             return total
         return total / (labels != ignore_index).sum().clamp(min=1)
     return _LinearCrossEntropyGradInForward.apply(
-        hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows
+        hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows, n_valid
     )
 
 
