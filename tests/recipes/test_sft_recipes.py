@@ -270,3 +270,51 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_applies_a_new_lr(repo
     assert logged_lr[3] == pytest.approx(sched2.get_last_lr()[0], rel=1e-6)  # the lr set for step 4
     # the damaged step_000002 was replaced by the resumed run's own
     assert verify_checkpoint(out / "step_000002") == []
+
+
+class _NaNAfterFirstStep(torch.optim.SGD):
+    """SGD whose first step leaves every parameter NaN (a diverged update, injected)."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.fill_(float("nan"))
+        return out
+
+
+def test_nan_run_skips_steps_stops_after_three_and_writes_no_nan_checkpoint(repo_cwd, tmp_path, monkeypatch):
+    """Step 1 turns every weight into NaN; steps 2-4 have NaN losses and gradients and are skipped
+    (logged), and the run stops at step 4 naming it; a save of the NaN weights is refused."""
+    from logitless.training.nonfinite import NonFiniteStepsError, NonFiniteWeightsError
+
+    monkeypatch.setattr(torch.optim, "NaNAfterFirstStep", _NaNAfterFirstStep, raising=False)
+    nan_opt = {"_component_": "torch.optim.NaNAfterFirstStep", "lr": 0.1}
+    cfg = tiny_config("tiny_full", tmp_path / "a", **dict(FAST, max_steps=10))
+    OmegaConf.update(cfg, "optimizer", nan_opt, merge=False)
+    with pytest.raises(NonFiniteStepsError, match=r"3 optimizer steps in a row.*step 4"):
+        SFTRecipe(cfg).run()
+    log = read_disk_log(glob.glob(str(tmp_path / "a" / "logs" / "log_*.txt"))[0])
+    assert log["skipped"] == {1: 0.0, 2: 1.0, 3: 1.0} and log["skipped_steps"] == {1: 0, 2: 1, 3: 2}
+    assert complete_checkpoints(tmp_path / "a") == []
+    cfg = tiny_config("tiny_full", tmp_path / "b", **dict(FAST, max_steps=3, save_every_n_steps=1))
+    OmegaConf.update(cfg, "optimizer", nan_opt, merge=False)
+    with pytest.raises(NonFiniteWeightsError, match="refusing to write checkpoint step_000001"):
+        SFTRecipe(cfg).run()
+    assert complete_checkpoints(tmp_path / "b") == [] and not list((tmp_path / "b").glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("value", [0, "three"])
+def test_max_consecutive_skipped_steps_is_validated(repo_cwd, tmp_path, value):
+    from logitless.rl.recipe import validate_grpo_config
+    from logitless.training.config import ConfigError
+
+    cfg = tiny_config("tiny_full", tmp_path, max_consecutive_skipped_steps=value)
+    with pytest.raises(ConfigError, match="max_consecutive_skipped_steps"):
+        validate_sft_config(cfg)
+    gcfg = OmegaConf.load(REPO / "configs" / "tiny_grpo.yaml")
+    gcfg.max_consecutive_skipped_steps = value
+    with pytest.raises(ConfigError, match="max_consecutive_skipped_steps"):
+        validate_grpo_config(gcfg)
+    assert validate_sft_config(tiny_config("tiny_full", tmp_path)).max_consecutive_skipped_steps == 3

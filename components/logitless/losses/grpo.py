@@ -47,6 +47,12 @@ from logitless.modules import HeadInput  # noqa: F401  (public in signatures / d
 from logitless.ops import _validate, linear_log_probs, linear_token_objective
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def masked_like(mask: torch.Tensor, values: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """``values`` inside ``mask``, the detached current log-prob outside: a log-ratio and a KL of 0
+    there, computed from finite numbers whatever ``values`` holds outside the mask."""
+    return torch.where(mask, values, logp.detach())
 IMPORTANCE_LEVELS = ("token", "sequence")
 
 
@@ -163,7 +169,8 @@ class GRPOLoss(HeadLoss):
         """Number of tokens in the loss: sum it over all micro-batches for ``total_tokens``."""
         return int(self.loss_mask(labels, truncated).sum())
 
-    def _check(self, labels, advantages, old_log_probs, ref_log_probs, truncated) -> torch.Tensor:
+    def _check(self, labels, advantages, old_log_probs, ref_log_probs, truncated) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Validates the call; returns the ``(B, S)`` advantages and the loss mask."""
         if labels.dim() != 2 or labels.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"labels must be (B, S) int64, got shape {tuple(labels.shape)} {labels.dtype}")
         b = labels.shape[0]
@@ -172,8 +179,6 @@ class GRPOLoss(HeadLoss):
         if advantages.shape not in ((b, 1), labels.shape):
             raise ValueError(f"advantages must have shape ({b},) or {tuple(labels.shape)}, "
                              f"got {tuple(advantages.shape)}")
-        if not torch.isfinite(advantages).all():
-            raise ValueError("advantages contain NaN or inf")
         for name, t in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
             if t is not None and t.shape != labels.shape:
                 raise ValueError(f"{name} must have the labels' shape {tuple(labels.shape)}, got {tuple(t.shape)}")
@@ -182,7 +187,16 @@ class GRPOLoss(HeadLoss):
                              f"pass them or set beta=0")
         if truncated is not None and truncated.shape != (b,):
             raise ValueError(f"truncated must have shape ({b},), got {tuple(truncated.shape)}")
-        return advantages
+        mask = self.loss_mask(labels, truncated)
+        advantages = advantages.expand(labels.shape)
+        # Only positions in the loss count: outside it, any value (NaN included) is ignored.
+        bad = mask & ~torch.isfinite(advantages)
+        n_bad = int(bad.sum())
+        if n_bad:
+            first = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(f"advantages contain NaN or inf at {n_bad} position(s) inside the loss mask, "
+                             f"e.g. (row, position) {first}: {float(advantages[first])}; expected finite values")
+        return advantages, mask
 
     # ------------------------------------------------------------------ loss
     def forward(
@@ -220,23 +234,27 @@ class GRPOLoss(HeadLoss):
             ``/region`` (fractions of tokens), ``entropy`` (mean per token), ``num_tokens``.
         """
         head = as_head_input(outputs, type(self).__name__)
-        advantages = self._check(labels, advantages, old_log_probs, ref_log_probs, truncated)
-        mask = self.loss_mask(labels, truncated)
+        advantages, mask = self._check(labels, advantages, old_log_probs, ref_log_probs, truncated)
         # The dtype the ops return log-probs in (float64 only for float64 reference inputs).
         dtype = torch.float64 if head.hidden.dtype == torch.float64 else torch.float32
         weights = self.token_weights(mask, total_sequences, total_tokens, num_micro_batches, dtype)
+        # Outside the mask the advantage is 0 and (below) old = ref = the current log-prob: every
+        # term there is exactly 0 BEFORE any arithmetic, whatever the caller's buffers hold
+        # (-inf * 0 and exp(1e4) * 0 are NaN, and NaN would reach the gradients).
+        advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
         if self.fused:
-            loss, logp, ent = self._fused_loss(head, labels, advantages, weights, old_log_probs, ref_log_probs)
+            loss, logp, ent = self._fused_loss(head, labels, mask, advantages, weights, old_log_probs,
+                                               ref_log_probs)
         else:
             logp, ent = linear_log_probs(head.hidden, head.weight, labels, ignore_index=self.ignore_index,
                                          temperature=self.temperature, return_entropy=True,
                                          impl=self.impl, chunk_size=self.chunk_size)
         m = mask.to(logp.dtype)
         adv = advantages.to(logp.dtype)
-        ref = None if ref_log_probs is None else ref_log_probs.to(logp.dtype)
+        ref = None if ref_log_probs is None else masked_like(mask, ref_log_probs.to(logp.dtype), logp)
         # Metrics (and, unfused, the loss) from the per-token log-probs; fused they are detached.
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.fused):
-            old = logp.detach() if old_log_probs is None else old_log_probs.to(logp.dtype)
+            old = logp.detach() if old_log_probs is None else masked_like(mask, old_log_probs.to(logp.dtype), logp)
             log_ratio = logp - old
             if self.importance_sampling_level == "sequence":
                 seq_len = m.sum(dim=1).clamp(min=1)
@@ -297,19 +315,21 @@ class GRPOLoss(HeadLoss):
             return m / m.sum().clamp(min=1)
         return m / max(int(total_tokens), 1)
 
-    def _fused_loss(self, head, labels, advantages, weights, old_log_probs, ref_log_probs):
+    def _fused_loss(self, head, labels, mask, advantages, weights, old_log_probs, ref_log_probs):
         # Per-row constants, flattened as the op names rows: labels.reshape(-1)[rows].
-        adv = advantages.expand(labels.shape).reshape(-1)
+        adv = advantages.reshape(-1)
         w = weights.reshape(-1)
+        m = mask.reshape(-1)
         old = None if old_log_probs is None else old_log_probs.reshape(-1)
         ref = ref_log_probs.reshape(-1) if ref_log_probs is not None and self.beta > 0 else None
 
         def objective(lp, ent, rows):
             dt = lp.dtype
-            # old=None: the current policy detached (ratio 1, gradient of the ratio 1)
-            lr = lp - (lp.detach() if old is None else old[rows].to(dt))
-            per_token, _, _ = self.token_terms(lp, lr, ent, None if ref is None else ref[rows].to(dt),
-                                               adv[rows].to(dt))
+            # old=None: the current policy detached (ratio 1, gradient of the ratio 1); rows outside
+            # the mask (truncated completions) see their own log-prob as old and ref, as unfused.
+            lr = lp - (lp.detach() if old is None else masked_like(m[rows], old[rows].to(dt), lp))
+            ref_rows = None if ref is None else masked_like(m[rows], ref[rows].to(dt), lp)
+            per_token, _, _ = self.token_terms(lp, lr, ent, ref_rows, adv[rows].to(dt))
             return (per_token * w[rows].to(dt)).sum()
 
         # Entropy always: the metrics report it (free in the Triton head's statistics).
@@ -322,7 +342,7 @@ class GRPOLoss(HeadLoss):
             n = m.sum().clamp(min=1)
 
             def mean(x: torch.Tensor) -> torch.Tensor:
-                return (x.to(m.dtype) * m).sum() / n
+                return torch.where(m > 0, x.to(m.dtype), 0.0).sum() / n
 
             # a token is clipped when the clip is active in the min (TRL's definition)
             low = (ratio < 1 - self.epsilon) & (adv < 0)

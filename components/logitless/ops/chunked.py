@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from logitless.ops import _validate
+from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
 
 # Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
@@ -127,14 +128,31 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc
     return z
 
 
+def _log_softmax_(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log softmax(z)`` in place as ``(z - max) - log(sum exp(z - max))``, and that max and log-sum.
+
+    The same rounding as ``torch.log_softmax``: ``z - lse`` would first round ``lse`` at the logits'
+    magnitude. Returns ``(logq, m, log_s)``; ``_apply_log_softmax_`` recomputes ``logq`` from them.
+    """
+    m = z.amax(dim=-1)
+    z.sub_(m.unsqueeze(1))
+    log_s = torch.exp(z).sum(-1).log()
+    return z.sub_(log_s.unsqueeze(1)), m, log_s
+
+
+def _apply_log_softmax_(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    return z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
+
+
 class _LinearCrossEntropyGradInForward(torch.autograd.Function):
     """Summed (optionally scaled) cross-entropy whose gradients are computed in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, temperature, mean, chunk_size):
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, mean, chunk_size, n_valid=None):
         n, _ = hidden.shape
         acc = _acc_dtype(hidden.dtype)
         valid_all = labels != ignore_index
+        mask = has_ignored_rows(valid_all, n_valid)
         # "mean" divides by the non-ignored count (clamped so an all-ignored batch gives 0, not NaN).
         scale = 1.0 / valid_all.sum().clamp(min=1).to(acc) if mean else torch.ones((), dtype=acc, device=hidden.device)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -145,8 +163,8 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=hidden.device)
         epilogue = _ce_epilogue_for(hidden)
         for start in range(0, n, chunk_size):
-            h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-            valid = valid_all[start : start + chunk_size]
+            y, valid = labels[start : start + chunk_size], valid_all[start : start + chunk_size]
+            h = zero_ignored_rows(hidden[start : start + chunk_size], valid, mask)
             safe = torch.where(valid, y, 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
             if not (need_dh or need_dw):
@@ -168,44 +186,48 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         grad_hidden = (dh * grad_out.to(dh.dtype)).to(ctx.hidden_dtype) if dh is not None else None
         grad_weight = (dw * grad_out.to(dw.dtype)).to(ctx.weight_dtype) if dw is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class _LinearLogProbs(torch.autograd.Function):
     """Per-token log-probs and entropy; recomputes each chunk's logits in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, temperature, return_entropy, chunk_size):
+    def forward(ctx, hidden, weight, labels, ignore_index, temperature, return_entropy, chunk_size,
+                n_valid=None):
         n, _ = hidden.shape
         acc = _acc_dtype(hidden.dtype)
         valid = labels != ignore_index
+        mask = has_ignored_rows(valid, n_valid)
         logp = torch.zeros(n, dtype=acc, device=hidden.device)
-        lse_all = torch.empty(n, dtype=acc, device=hidden.device)
+        # Per-row max and log-sum of the softmax: backward recomputes log p exactly as here.
+        m_all = torch.zeros(n, dtype=acc, device=hidden.device)
+        log_s_all = torch.zeros(n, dtype=acc, device=hidden.device)
         ent = torch.zeros(n, dtype=acc, device=hidden.device) if return_entropy else None
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             y, v = labels[start:stop], valid[start:stop]
             safe = torch.where(v, y, 0).long().unsqueeze(1)
-            z = _chunk_logits(hidden[start:stop], weight, temperature, acc)
-            lse = torch.logsumexp(z, dim=-1)
-            lse_all[start:stop] = lse
-            logp[start:stop] = torch.where(v, z.gather(1, safe).squeeze(1) - lse, 0.0)
+            z = _chunk_logits(zero_ignored_rows(hidden[start:stop], v, mask), weight, temperature, acc)
+            logq, m_all[start:stop], log_s_all[start:stop] = _log_softmax_(z)
+            logp[start:stop] = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0)
             if return_entropy:
-                # H = lse - sum_j p_j z_j
-                p = z.sub(lse.unsqueeze(1)).exp_()
-                ent[start:stop] = torch.where(v, lse - (p * z).sum(-1), 0.0)
-        ctx.save_for_backward(hidden, weight, labels, lse_all, ent)
-        ctx.ignore_index, ctx.temperature, ctx.chunk_size = ignore_index, temperature, chunk_size
+                # H = -sum_j p_j log p_j: a sum of non-negative terms. The algebraically equal
+                # lse - sum_j p_j z_j subtracts two numbers of the logits' size and cancels in fp32.
+                ent[start:stop] = torch.where(v, -torch.exp(logq).mul_(logq).sum(-1), 0.0)
+        ctx.save_for_backward(hidden, weight, labels, m_all, log_s_all, ent)
+        ctx.ignore_index, ctx.temperature, ctx.chunk_size, ctx.mask = ignore_index, temperature, chunk_size, mask
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, labels, lse_all, ent = ctx.saved_tensors
+        hidden, weight, labels, m_all, log_s_all, ent = ctx.saved_tensors
+        none = (None,) * 8
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw) or (grad_logp is None and grad_ent is None):
-            return None, None, None, None, None, None, None
+            return none
         n, _ = hidden.shape
-        acc, t, rows = lse_all.dtype, ctx.temperature, ctx.chunk_size
+        acc, t, rows = m_all.dtype, ctx.temperature, ctx.chunk_size
         valid = labels != ctx.ignore_index
         dh = torch.empty_like(hidden) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
@@ -213,15 +235,18 @@ class _LinearLogProbs(torch.autograd.Function):
             stop = min(start + rows, n)
             v = valid[start:stop]
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
-            h = hidden[start:stop]
+            h = zero_ignored_rows(hidden[start:stop], v, ctx.mask)
             z = _chunk_logits(h, weight, t, acc)
-            logq = z.sub_(lse_all[start:stop].unsqueeze(1))  # log softmax, in place
+            logq = _apply_log_softmax_(z, m_all[start:stop], log_s_all[start:stop])
             p = logq.exp()
             # d logp_y / dz = onehot - p ;  d H / dz = -p * (log p + H); so with upstream (a, b):
-            # dz = a * onehot - p * (a + b * (log p + H))
-            g_lp = grad_logp[start:stop].to(acc).unsqueeze(1) if grad_logp is not None else None
+            # dz = a * onehot - p * (a + b * (log p + H)). Upstreams at ignored rows never enter.
+            g_lp = None
+            if grad_logp is not None:
+                g_lp = torch.where(v, grad_logp[start:stop].to(acc), 0.0).unsqueeze(1)
             if grad_ent is not None and ent is not None:
-                grad = logq.add_(ent[start:stop].unsqueeze(1)).mul_(grad_ent[start:stop].to(acc).unsqueeze(1))
+                g_ent = torch.where(v, grad_ent[start:stop].to(acc), 0.0).unsqueeze(1)
+                grad = logq.add_(ent[start:stop].unsqueeze(1)).mul_(g_ent)
                 if g_lp is not None:
                     grad.add_(g_lp)
                 grad.mul_(p)
@@ -230,13 +255,14 @@ class _LinearLogProbs(torch.autograd.Function):
             grad.neg_()
             if g_lp is not None:
                 grad.scatter_add_(1, safe, g_lp)
-            grad.mul_((v.to(acc) / t).unsqueeze(1))
+            if t != 1.0:
+                grad.mul_(1.0 / t)
             grad = _gemm_operand(grad, hidden.dtype)
             if need_dh:
                 dh[start:stop] = _mm_acc(grad, weight, acc).to(hidden.dtype)
             if need_dw:
                 _addmm_acc_(dw, grad.T, h)
-        return dh, (dw.to(weight.dtype) if dw is not None else None), None, None, None, None, None
+        return (dh, (dw.to(weight.dtype) if dw is not None else None)) + none[2:]
 
 
 def _check_entry(weight: torch.Tensor, temperature: float) -> None:
@@ -255,6 +281,7 @@ def linear_log_probs(
     temperature: float = 1.0,
     return_entropy: bool = True,
     chunk_size: Optional[int] = None,
+    n_valid: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked per-token log-probs (and entropy) of ``labels``; 2-D ``hidden`` and 1-D ``labels``.
 
@@ -266,6 +293,8 @@ def linear_log_probs(
         temperature (float): divides the logits before the softmax.
         return_entropy (bool): also compute the entropy.
         chunk_size (Optional[int]): rows per chunk; ``None`` picks :func:`auto_chunk_size`.
+        n_valid (Optional[int]): the number of non-ignored labels when the caller has counted them
+            (see :func:`has_ignored_rows`).
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: ``(N,)`` float32 log-probs and entropy
@@ -276,7 +305,8 @@ def linear_log_probs(
     """
     _check_entry(weight, temperature)
     rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
-    return _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, return_entropy, rows)
+    return _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, return_entropy, rows,
+                                 n_valid)
 
 
 def linear_cross_entropy(
@@ -288,6 +318,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
+    n_valid: Optional[int] = None,
 ) -> torch.Tensor:
     """Chunked cross-entropy; 2-D ``hidden`` and 1-D ``labels``.
 
@@ -303,6 +334,7 @@ def linear_cross_entropy(
         reduction (str): ``"mean"`` (over non-ignored tokens; 0.0 when none), ``"sum"`` or ``"none"``.
         temperature (float): divides the logits before the softmax.
         chunk_size (Optional[int]): rows per chunk; ``None`` picks :func:`auto_chunk_size`.
+        n_valid (Optional[int]): the number of non-ignored labels when the caller has counted them.
 
     Returns:
         torch.Tensor: float32 scalar, or ``(N,)`` per-token losses for ``"none"``.
@@ -314,7 +346,7 @@ def linear_cross_entropy(
     rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduction == "none" or not needs_grad:
-        logp, _ = _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, False, rows)
+        logp, _ = _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, False, rows, n_valid)
         loss = -logp
         if reduction == "none":
             return loss
@@ -323,7 +355,7 @@ def linear_cross_entropy(
             return total
         return total / (labels != ignore_index).sum().clamp(min=1)
     return _LinearCrossEntropyGradInForward.apply(
-        hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows
+        hidden, weight, labels, ignore_index, temperature, reduction == "mean", rows, n_valid
     )
 
 
@@ -352,14 +384,15 @@ class _LinearTokenObjective(torch.autograd.Function):
         idx_all = torch.nonzero(valid_all).squeeze(1)
         starts = torch.arange(0, n + chunk_size, chunk_size, device=hidden.device)
         bounds = torch.searchsorted(idx_all, starts).tolist()
+        mask = bounds[-1] != n  # some row is ignored: zero those rows before the GEMMs
         for ci, start in enumerate(range(0, n, chunk_size)):
             stop = min(start + chunk_size, n)
             rows = idx_all[bounds[ci] : bounds[ci + 1]]
-            h, v = hidden[start:stop], valid_all[start:stop]
+            v = valid_all[start:stop]
+            h = zero_ignored_rows(hidden[start:stop], v, mask)
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
-            lse = torch.logsumexp(z, dim=-1)
-            logq = z.sub_(lse.unsqueeze(1))  # log softmax, in place
+            logq, _, _ = _log_softmax_(z)
             p = logq.exp()
             logp = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0).float()
             ent = torch.where(v, -(p * logq).sum(-1), 0.0).float() if need_entropy else None
@@ -378,7 +411,7 @@ class _LinearTokenObjective(torch.autograd.Function):
                 ent_all[start:stop] = ent
             if not (need_dh or need_dw):
                 continue
-            a = grads[0].to(acc) if grads[0] is not None else torch.zeros_like(lse)
+            a = grads[0].to(acc) if grads[0] is not None else torch.zeros_like(logp, dtype=acc)
             b = grads[1].to(acc) if need_entropy and grads[1] is not None else None
             # dz = a * onehot - p * (a + b * (log p + H))
             if b is not None:

@@ -89,7 +89,7 @@ def linear_cross_entropy(
     if impl == "torch":
         return reference.cross_entropy(
             hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
-            temperature=temperature,
+            temperature=temperature, n_valid=n_valid,
         )
     h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if impl == "triton":
@@ -100,7 +100,7 @@ def linear_cross_entropy(
     else:
         loss = chunked.linear_cross_entropy(
             h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction,
-            temperature=temperature, chunk_size=chunk_size,
+            temperature=temperature, chunk_size=chunk_size, n_valid=n_valid,
         )
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
@@ -146,7 +146,7 @@ def linear_log_probs(
     if impl == "torch":
         return reference.log_probs(
             hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, n_valid=n_valid,
         )
     h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if impl == "triton":
@@ -157,7 +157,7 @@ def linear_log_probs(
     else:
         logp, ent = chunked.linear_log_probs(
             h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=return_entropy, chunk_size=chunk_size,
+            return_entropy=return_entropy, chunk_size=chunk_size, n_valid=n_valid,
         )
     return logp.reshape(labels.shape), (ent.reshape(labels.shape) if ent is not None else None)
 
@@ -229,7 +229,7 @@ def linear_token_objective(
     if impl == "torch":
         logp, ent = reference.log_probs(
             hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=need_entropy,
+            return_entropy=need_entropy, n_valid=n_valid,
         )
         rows = torch.nonzero(labels.reshape(-1) != ignore_index).squeeze(1)
         value = token_objective(logp.reshape(-1)[rows],

@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
+
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = hidden @ weight.T
@@ -26,6 +28,7 @@ def log_probs(
     ignore_index: int = -100,
     temperature: float = 1.0,
     return_entropy: bool = True,
+    n_valid: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probability of ``labels`` and entropy under ``softmax(hidden @ weight.T / T)``.
 
@@ -36,6 +39,8 @@ def log_probs(
         ignore_index (int): label whose positions get 0 log-prob and 0 entropy.
         temperature (float): divides the logits before the softmax.
         return_entropy (bool): also return the entropy (else ``None``).
+        n_valid (Optional[int]): the number of non-ignored labels when the caller has counted them
+            (else counted here when needed).
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: log-probs and entropy of ``labels.shape``,
@@ -45,9 +50,13 @@ def log_probs(
         >>> h, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
         >>> logp, ent = log_probs(h, w, torch.tensor([1, 2, -100, 3]))
     """
+    valid = labels != ignore_index
+    if has_ignored_rows(valid.reshape(-1), n_valid):
+        # An ignored row's hidden state never reaches the GEMMs: its NaN or inf would become NaN
+        # in dW through 0 * NaN, and (through the softmax backward) in its own dh row.
+        hidden = zero_ignored_rows(hidden, valid)
     logits = _logits(hidden, weight, temperature)
     logz = logits.log_softmax(dim=-1)
-    valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     logp = logz.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     logp = torch.where(valid, logp, torch.zeros_like(logp))
@@ -66,6 +75,7 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     temperature: float = 1.0,
+    n_valid: Optional[int] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``softmax(hidden @ weight.T / T)`` against ``labels``.
 
@@ -77,6 +87,7 @@ def cross_entropy(
         reduction (str): ``"mean"`` over non-ignored tokens (0.0 when there are none),
             ``"sum"``, or ``"none"`` (per token, 0 at ignored tokens).
         temperature (float): divides the logits before the softmax.
+        n_valid (Optional[int]): as in :func:`log_probs`.
 
     Returns:
         torch.Tensor: scalar for ``"mean"``/``"sum"``, else ``labels.shape``.
@@ -87,7 +98,7 @@ def cross_entropy(
     """
     logp, _ = log_probs(
         hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
-        return_entropy=False,
+        return_entropy=False, n_valid=n_valid,
     )
     loss = -logp
     if reduction == "none":

@@ -55,6 +55,7 @@ from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
 from logitless.training.distributed import FSDP_KEYS, Runtime, launched_world_size
 from logitless.training.metric_logging import build_metric_logger
+from logitless.training.nonfinite import NonFiniteGuard, check_finite_weights
 from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer, instantiate_dataset, model_limits
 from logitless.training.progress import ProgressBar, peak_memory_gib
 from logitless.training.resume import RESUME_KEYS, apply_optimizer_changes, start_run, validate_resume_config
@@ -92,6 +93,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
     "clip_grad_norm": Key((float, None), default=None),
+    "max_consecutive_skipped_steps": Key((int, None), default=3, min=1,
+                                         doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
+                                             "stop after this many in a row (null: never)"),
     "enable_activation_checkpointing": Key(bool, default=False),
     "log_every_n_steps": Key(int, default=1, min=1),
     "save_every_n_steps": Key((int, None), default=None, min=1),
@@ -281,6 +285,9 @@ class GRPORecipe:
         self.lr_scheduler = (tt_config.instantiate(cfg.lr_scheduler, self.optimizer)
                              if cfg.lr_scheduler is not None else None)
         state = start.recipe_state
+        self.guard = NonFiniteGuard(cfg.max_consecutive_skipped_steps)
+        if state is not None and state.get("nonfinite") is not None:
+            self.guard.load_state_dict(state["nonfinite"])
         if state is not None:
             self.runtime.load_optimizer_state_dict(model, self.optimizer, state["optimizer"])
             if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
@@ -397,7 +404,8 @@ class GRPORecipe:
                           advantages[share.start * group_size:share.stop * group_size].to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
-                          lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None)
+                          lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None,
+                          guard=self.guard, step=step + 1)
         if self.reference is not None:
             self.runtime.release(self.reference.model)
         if self.device.type == "cuda":
@@ -429,7 +437,11 @@ class GRPORecipe:
     def save(self, step: int) -> None:
         """Complete checkpoint (weights or adapters + optimizer, scheduler, step, RNG); all ranks take
         part, rank 0 writes."""
+        # every rank checks its shards and raises together: never a checkpoint of NaN/inf weights
+        check_finite_weights(dict(self.model.named_parameters()), what=f"checkpoint step_{step:06d}",
+                             all_reduce=self.runtime.all_reduce)
         state = {"step": step, "optimizer": self.runtime.optimizer_state_dict(self.model, self.optimizer),
+                 "nonfinite": self.guard.state_dict(),
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                  "rng": self.runtime.rng_states(), "seed": self.seed, "world_size": self.runtime.world_size,
                  "config": config_summary(self.cfg)}
@@ -460,8 +472,6 @@ class GRPORecipe:
             step += 1
             if cfg.eval_every_n_steps is not None and step % cfg.eval_every_n_steps == 0:
                 metrics.update(self.evaluate())
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"GRPO loss is {metrics['loss']} at step {step}")
             self.history.append({"step": step, **metrics})
             bar.bar.set_description(f"reward {metrics['reward/mean']:.3f}", refresh=False)
             bar.update(metrics)

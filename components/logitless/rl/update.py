@@ -22,6 +22,7 @@ from torch import nn
 from logitless.rl.batch import PolicyBatch
 from logitless.rl.reference import ReferencePolicy
 from logitless.rl.shared_batch import SharedGroupBatch
+from logitless.training.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:
     from logitless.training.distributed import Runtime
@@ -59,6 +60,8 @@ def grpo_update(
     clip_grad_norm: Optional[float] = None,
     lr_scheduler=None,
     data_parallel: Optional["Runtime"] = None,
+    guard: Optional[NonFiniteGuard] = None,
+    step: Optional[int] = None,
 ) -> Dict[str, float]:
     """Runs ``num_iterations`` optimizer steps on one generation batch.
 
@@ -81,11 +84,19 @@ def grpo_update(
         lr_scheduler: stepped after every optimizer step.
         data_parallel (Optional[Runtime]): the ranks the generation batch is split over (this
             rank's share is ``batch``; FSDP2 averages gradients over them); None on one device.
+        guard (Optional[NonFiniteGuard]): skips optimizer steps whose gradient norm or loss is NaN
+            or inf and stops after too many in a row; keep one per run so that it counts across
+            calls. None: a fresh ``NonFiniteGuard()`` (counts within this call only).
+        step (Optional[int]): the recipe's step, named if the run stops on non-finite steps.
 
     Returns:
         Dict[str, float]: token-weighted means of the loss metrics over the last iteration, plus
         ``loss`` (sum of micro-batch losses) and ``grad_norm`` (before clipping), all over the whole
-        batch (every rank's share), and ``num_loss_tokens``.
+        batch (every rank's share), ``num_loss_tokens``, ``skipped`` (optimizer steps of this call
+        skipped as non-finite) and ``skipped_steps`` (the guard's total).
+
+    Raises:
+        NonFiniteStepsError: from the guard, after too many non-finite steps in a row.
 
     Example:
         >>> out = grpo_update(policy, loss_fn, optimizer, training_batch(rollout, prompt_sharing=False),
@@ -111,10 +122,8 @@ def grpo_update(
         loss_fn.set_model_output(model)
     local_tokens = loss_fn.num_loss_tokens(batch.head_labels, batch.truncated)
     total_tokens = int(reduce(torch.tensor(local_tokens, dtype=torch.float64)).item())
-    # The optimizer's own parameters: under FSDP2 a no-grad forward (old log-probs) leaves the root
-    # unit gathered, and model.parameters() would then list its unsharded tensors, not the sharded
-    # ones that hold the gradients.
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    guard = NonFiniteGuard() if guard is None else guard
+    skipped = 0
     for _ in range(num_iterations):
         sums: Dict[str, float] = {}
         weights: Dict[str, float] = {}
@@ -135,17 +144,16 @@ def grpo_update(
                 if k != "num_tokens":
                     sums[k] = sums.get(k, 0.0) + float(v) * w
                     weights[k] = weights.get(k, 0.0) + w
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, max_norm=float("inf") if clip_grad_norm is None else clip_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): the norm over all shards
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if lr_scheduler is not None:
-            lr_scheduler.step()
+        # The norm over all shards (the optimizer's own, sharded parameters under FSDP2) and the
+        # loss over all ranks: every rank takes the same skip decision.
+        global_loss = float(reduce(torch.tensor(loss_total, dtype=torch.float64)))
+        decision = guard.step(optimizer, lr_scheduler=lr_scheduler, clip_grad_norm=clip_grad_norm,
+                              loss=global_loss, step=step)
+        grad_norm, skipped = decision.grad_norm, skipped + decision.skipped
     keys = sorted(sums)
     totals = reduce(torch.tensor([loss_total] + [sums[k] for k in keys] + [weights[k] for k in keys],
                                  dtype=torch.float64)).tolist()
     out = {k: totals[1 + i] / max(totals[1 + len(keys) + i], 1.0) for i, k in enumerate(keys)}
-    out.update(loss=totals[0], grad_norm=float(grad_norm), num_loss_tokens=float(total_tokens))
+    out.update(loss=totals[0], grad_norm=float(grad_norm), num_loss_tokens=float(total_tokens),
+               skipped=float(skipped), skipped_steps=float(guard.skipped_steps))
     return out

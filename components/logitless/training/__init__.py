@@ -8,6 +8,8 @@ One concern per module:
 - :mod:`~logitless.training.cli`: :func:`report_errors`, a ConfigError as one line on stderr (exit 2).
 - :mod:`~logitless.training.step`: :class:`TrainStep`, gradient accumulation normalised over the whole
   accumulated batch (a recipe passes ``loss_fn(batch)`` and ``count_fn(batch)``).
+- :mod:`~logitless.training.nonfinite`: :class:`NonFiniteGuard` (skip steps with a NaN/inf gradient norm or
+  loss, count them, stop after too many in a row) and :func:`check_finite_weights` (no NaN checkpoint).
 - :mod:`~logitless.training.checkpoint`: :class:`CheckpointManager`, atomic HF-format checkpoints with
   the recipe state, a checksummed completion marker and the run id that owns them;
   :func:`verify_checkpoint`; :func:`rng_state` / :func:`set_rng_state`.
@@ -26,6 +28,8 @@ from logitless.training.checkpoint import (CheckpointManager, complete_checkpoin
 from logitless.training.config import ConfigError, Key, config_summary, resolve_component, validate_config
 from logitless.training.data import ResumableSampler, batch_to_device, build_dataloader, is_packed
 from logitless.training.metric_logging import build_metric_logger, read_disk_log
+from logitless.training.nonfinite import (NonFiniteGuard, NonFiniteStepsError, NonFiniteWeightsError,
+                                          check_finite_weights)
 from logitless.training.model import CheckpointMismatchError, build_model, check_state_dict, load_weights
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.resume import RunStart, apply_optimizer_changes, start_run
@@ -33,10 +37,11 @@ from logitless.training.sft import SFTObjective
 from logitless.training.step import StepResult, TrainStep
 
 __all__ = [
-    "CheckpointManager", "CheckpointMismatchError", "ConfigError", "Key", "ProgressBar", "ResumableSampler",
-    "RunStart", "SFTObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes",
-    "batch_to_device", "build_dataloader",
-    "build_metric_logger", "build_model", "check_state_dict", "complete_checkpoints", "config_summary",
+    "CheckpointManager", "CheckpointMismatchError", "ConfigError", "Key", "NonFiniteGuard",
+    "NonFiniteStepsError", "NonFiniteWeightsError", "ProgressBar", "ResumableSampler", "RunStart",
+    "SFTObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes", "batch_to_device",
+    "build_dataloader", "build_metric_logger", "build_model", "check_finite_weights", "check_state_dict",
+    "complete_checkpoints", "config_summary",
     "is_packed", "load_weights", "peak_memory_gib", "read_disk_log", "resolve_component", "rng_state",
     "set_rng_state", "start_run", "validate_config", "verify_checkpoint",
 ]

@@ -54,6 +54,8 @@ log = get_logger()
 
 from logitless.training.export import ModelExport
 
+from logitless.training.nonfinite import check_finite_weights
+
 MARKER = "logitless_checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
 RUN_FILE = "logitless_run.json"
@@ -406,10 +408,14 @@ class CheckpointManager:
 
         Raises:
             FileExistsError: when ``step_{step:06d}`` exists and was written by another run.
+            NonFiniteWeightsError: a weight holds NaN or inf; nothing is written.
         """
         if not self.is_rank_zero:
             return None
         name = f"{_STEP_PREFIX}{step:06d}"
+        for part in (model_state, adapter_state):
+            if part is not None:
+                check_finite_weights(part, what=f"checkpoint {name}")
         final = self.output_dir / name
         if final.exists():
             owner = (read_marker(final) or {}).get("run_id")

@@ -11,7 +11,6 @@ optimizer / LR schedule -> data loader -> resume state -> train loop (TrainStep)
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -29,6 +28,7 @@ from logitless.training.config import ConfigError, Key, config_summary, validate
 from logitless.training.data import batch_to_device, build_dataloader
 from logitless.training.distributed import FSDP_KEYS, Runtime
 from logitless.training.metric_logging import build_metric_logger
+from logitless.training.nonfinite import check_finite_weights
 from logitless.training.preflight import (ON_TOO_LONG, check_device, check_optimizer, fit_sft_dataset,
                                           instantiate_dataset, model_limits)
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
@@ -58,6 +58,9 @@ SFT_SCHEMA: Dict[str, Key] = {
     "max_steps_per_epoch": Key((int, None), default=None, min=1),
     "max_steps": Key((int, None), default=None, min=1, doc="stop after this many optimizer steps in total"),
     "clip_grad_norm": Key((float, None), default=None),
+    "max_consecutive_skipped_steps": Key((int, None), default=3, min=1,
+                                         doc="a step with a NaN/inf gradient norm or loss is skipped; stop "
+                                             "after this many in a row (null: never)"),
     "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
     "device": Key(str, default="auto", doc="'auto' (cuda if available), 'cpu', 'cuda'"),
     "enable_activation_checkpointing": Key(bool, default=False),
@@ -198,7 +201,10 @@ class SFTRecipe:
                                     log_rank_zero=self.is_rank_zero)
         self.train_step = TrainStep(self.model, self.optimizer, self.lr_scheduler,
                                     clip_grad_norm=cfg.clip_grad_norm,
-                                    grads_averaged_over_ranks=self.distributed)
+                                    grads_averaged_over_ranks=self.distributed,
+                                    max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps)
+        if recipe_state is not None and recipe_state.get("nonfinite") is not None:
+            self.train_step.guard.load_state_dict(recipe_state["nonfinite"])
 
     def _setup_dataset(self) -> None:
         """Tokenizer and dataset, every row checked against the length limit (before the model)."""
@@ -238,11 +244,14 @@ class SFTRecipe:
                 "optimizer": self.runtime.optimizer_state_dict(self.model, self.optimizer),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "rng": self.runtime.rng_states(), "seed": self.seed, "world_size": self.world_size,
-                "config": config_summary(self.cfg)}
+                "nonfinite": self.train_step.guard.state_dict(), "config": config_summary(self.cfg)}
 
     def save(self) -> None:
         """Saves a complete checkpoint of the current step (all ranks take part, rank 0 writes)."""
         cfg = self.cfg
+        # every rank checks its shards and raises together: never a checkpoint of NaN/inf weights
+        check_finite_weights(dict(self.model.named_parameters()), what=f"checkpoint step_{self.step:06d}",
+                             all_reduce=self.runtime.all_reduce)
         state = self._recipe_state()
         full_sd = self.runtime.full_state_dict(self.model)
         if self.is_rank_zero:
@@ -291,20 +300,19 @@ class SFTRecipe:
                 it = iter(self.dataloader)
             mbs = [batch_to_device(next(it), self.device) for _ in range(ga)]
             self.mb_in_epoch += ga
-            res = self.train_step(mbs, loss_fn=self.objective, count_fn=self.objective.count)
+            res = self.train_step(mbs, loss_fn=self.objective, count_fn=self.objective.count, step=self.step + 1)
             self.step += 1
             self.losses.append(res.loss)
             n_tok = self.runtime.all_reduce(torch.tensor(float(sum(mb["tokens"].numel() for mb in mbs))))
             metrics = {"loss": res.loss, "lr": self.optimizer.param_groups[0]["lr"],
-                       "num_tokens": res.num_units, **timer.lap(int(n_tok.item())),
+                       "num_tokens": res.num_units, "skipped": float(res.skipped),
+                       "skipped_steps": res.skipped_steps, **timer.lap(int(n_tok.item())),
                        **peak_memory_gib(self.device)}
             if res.grad_norm is not None:
                 metrics["grad_norm"] = res.grad_norm
             bar.update(metrics)
             if self.step % cfg.log_every_n_steps == 0 or self.step == self.total_steps:
                 logger.log_dict(metrics, step=self.step)
-            if not math.isfinite(res.loss):
-                raise FloatingPointError(f"loss is {res.loss} at step {self.step}")
             if cfg.save_every_n_steps is not None and self.step % cfg.save_every_n_steps == 0:
                 self.save()
                 last_saved = self.step

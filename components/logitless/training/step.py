@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from logitless.training.nonfinite import NonFiniteGuard
+
 
 @dataclass
 class StepResult:
@@ -25,8 +27,10 @@ class StepResult:
     Attributes:
         loss (float): mean loss over every unit of the accumulated batch (all ranks).
         num_units (int): total units (e.g. non-ignored tokens) over all micro-batches and ranks.
-        grad_norm (Optional[float]): total gradient norm before clipping (when clipping is on).
-        stepped (bool): False when the batch had no units and the optimizer step was skipped.
+        grad_norm (Optional[float]): total gradient norm before clipping (None when no units).
+        stepped (bool): False when the optimizer step was skipped (no units, or non-finite).
+        skipped (bool): the step was skipped because its gradient norm or loss was NaN or inf.
+        skipped_steps (int): non-finite steps skipped so far in the run.
         extras (Dict[str, float]): unit-weighted means of extra scalars that ``loss_fn`` returned.
     """
 
@@ -35,6 +39,8 @@ class StepResult:
     grad_norm: Optional[float] = None
     stepped: bool = True
     extras: Dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    skipped_steps: int = 0
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +63,9 @@ class TrainStep:
         clip_grad_norm (Optional[float]): max total gradient norm, or None for no clipping.
         grads_averaged_over_ranks (bool): True when the data-parallel wrapper averages gradients over
             ranks (FSDP2, DDP): the step then multiplies by the world size to get an exact global mean.
+        max_consecutive_skipped_steps (Optional[int]): a step whose gradient norm or loss is NaN or inf
+            is skipped (see :class:`~logitless.training.nonfinite.NonFiniteGuard`); this many in a row
+            raise ``NonFiniteStepsError``. None: never stop. Default 3.
 
     Example:
         >>> step = TrainStep(model, opt, clip_grad_norm=1.0)
@@ -65,18 +74,21 @@ class TrainStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Optional[Any] = None,
-                 clip_grad_norm: Optional[float] = None, grads_averaged_over_ranks: bool = True):
+                 clip_grad_norm: Optional[float] = None, grads_averaged_over_ranks: bool = True,
+                 max_consecutive_skipped_steps: Optional[int] = 3):
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"TrainStep: clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.clip_grad_norm = clip_grad_norm
         self.grads_averaged_over_ranks = grads_averaged_over_ranks
+        self.guard = NonFiniteGuard(max_consecutive_skipped_steps)
 
     def __call__(
         self,
         micro_batches: Sequence[Any],
         loss_fn: Callable[[Any], Any],
         count_fn: Callable[[Any], torch.Tensor | int],
+        step: Optional[int] = None,
     ) -> StepResult:
         """Runs forward/backward on every micro-batch, then one optimizer step.
 
@@ -85,9 +97,13 @@ class TrainStep:
             loss_fn (Callable): ``loss_fn(mb)`` returns the MEAN loss over the units of ``mb`` (a
                 scalar tensor), or ``(loss, extras_dict)`` whose scalars are averaged the same way.
             count_fn (Callable): ``count_fn(mb)`` returns the number of units of ``mb``.
+            step (Optional[int]): the recipe's step number, named if the run stops on NaN steps.
 
         Returns:
-            StepResult: loss, units, grad norm.
+            StepResult: loss, units, grad norm, whether the step was skipped as non-finite.
+
+        Raises:
+            NonFiniteStepsError: after ``max_consecutive_skipped_steps`` non-finite steps in a row.
         """
         if len(micro_batches) == 0:
             raise ValueError("TrainStep: got no micro-batches")
@@ -115,19 +131,14 @@ class TrainStep:
             warnings.warn("TrainStep: the accumulated batch has no units (all labels ignored); "
                           "optimizer step skipped")
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss=0.0, num_units=0, grad_norm=None, stepped=False, extras=extras)
-        grad_norm = None
-        if self.clip_grad_norm is not None:
-            gn = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], max_norm=self.clip_grad_norm)
-            if hasattr(gn, "full_tensor"):
-                gn = gn.full_tensor()
-            grad_norm = float(gn)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return StepResult(loss=float(packed[0]), num_units=n_total, grad_norm=grad_norm, extras=extras)
+            return StepResult(loss=0.0, num_units=0, grad_norm=None, stepped=False, extras=extras,
+                              skipped_steps=self.guard.skipped_steps)
+        loss = float(packed[0])
+        decision = self.guard.step(self.optimizer, lr_scheduler=self.lr_scheduler,
+                                   clip_grad_norm=self.clip_grad_norm, loss=loss, step=step)
+        return StepResult(loss=loss, num_units=n_total, grad_norm=decision.grad_norm,
+                          stepped=not decision.skipped, extras=extras, skipped=decision.skipped,
+                          skipped_steps=self.guard.skipped_steps)
 
 
 def _param_device(model: nn.Module) -> torch.device:

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops._rows import zero_ignored_rows
 from logitless.ops.triton import kernels
 
 _ENV = os.environ.get
@@ -99,6 +100,28 @@ def _num_splits(rows: int, vocab: int, device: torch.device, block: int = 0) -> 
     splits = max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // max(rows, 1)), 32))
     span = -(-blocks // splits) * block
     return -(-vocab // span), span
+
+
+def rows_for_gradients(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                       idx: Optional[torch.Tensor], n_valid: int = -1) -> torch.Tensor:
+    """``hidden`` as the gradient GEMMs may read it: ignored rows never enter them.
+
+    Compacted (``idx`` given) they are skipped; with every row valid there is nothing to do. Only
+    without compaction (CUDA-graph capture, ``LOGITLESS_TRITON_COMPACT=0``) and with some (or an
+    unknown number of) ignored rows is the hidden copied with those rows zeroed: their dlogits are 0,
+    but ``0 * NaN = NaN`` inside ``dW = dl.T @ h`` would spread a NaN row over all of dW.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)``. labels (torch.Tensor): ``(N,)``. ignore_index (int).
+        idx (Optional[torch.Tensor]): from :func:`valid_rows`.
+        n_valid (int): the caller's count of non-ignored labels (-1: unknown).
+
+    Returns:
+        torch.Tensor: ``hidden`` itself or a copy with the ignored rows zeroed.
+    """
+    if idx is not None or n_valid == labels.numel():
+        return hidden
+    return zero_ignored_rows(hidden, labels != ignore_index)
 
 
 def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Optional[torch.Tensor]:
@@ -200,6 +223,18 @@ def _grads(ch, logits, h_c, idx_c, start, dh, dw, first):
             dw.addmm_(logits.t(), h_c)
 
 
+def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed per-row ``(logp, ent, lse)``: fp32, fp32 and float64.
+
+    The LSE is ``m + log s`` held exactly in float64 (two fp32 numbers), so ``z - lse`` rounds
+    once, at the size of ``log p``, as ``torch.log_softmax``'s ``(z - m) - log s`` does; an fp32
+    LSE rounds at the size of the logits (``offset / T``), an error that the gradient's row sum
+    ``1 - sum p`` carries into dh along any direction the logits share (a bias-like feature).
+    """
+    return (hidden.new_zeros((n,), dtype=torch.float32), hidden.new_zeros((n,), dtype=torch.float32),
+            hidden.new_zeros((n,), dtype=torch.float64))
+
+
 def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[int, int]:
     """``(block_rows, slab_cols)`` of the forward-only tiles: ``rows*cols*itemsize <= budget``.
 
@@ -255,7 +290,7 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
 def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
     budget = WORKSPACE_BYTES if for_backward else FORWARD_WORKSPACE_BYTES
     n, vocab = hidden.shape[0], weight.shape[0]
-    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    logp, ent, lse = row_outputs(hidden, n)
     rows = n if idx is None else idx.numel()
     if rows == 0:
         return logp, ent, lse
@@ -372,8 +407,9 @@ def head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index:
         Tuple[torch.Tensor, torch.Tensor]: ``dh`` ``(N, H)`` and ``dw`` ``(V, H)`` in the inputs'
         dtype (empty ``(0,)`` tensors for the ones not needed).
     """
-    return _slab_backward(hidden, weight, labels, valid_rows(labels, ignore_index, n_valid), lse,
-                          ent if g_ent is not None else None, g_logp, g_ent, None,
+    idx = valid_rows(labels, ignore_index, n_valid)
+    return _slab_backward(rows_for_gradients(hidden, labels, ignore_index, idx, n_valid), weight, labels, idx,
+                          lse, ent if g_ent is not None else None, g_logp, g_ent, None,
                           1.0 / temperature, ignore_index, need_dh, need_dw)
 
 
@@ -497,7 +533,7 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
             slab, 1, rows_b, part, state, z_y, y_b, y_b, 0, v0, v1 - v0, inv_t, ignore_index,
             NUM_SPLITS=splits, HAS_IDX=False, FIRST=v0 == 0, num_warps=1,
         )
-    logp_b, ent_b, lse_b = (hidden.new_zeros((rows_b,), dtype=torch.float32) for _ in range(3))
+    logp_b, ent_b, lse_b = row_outputs(hidden, rows_b)
     kernels.finalize_state_kernel[(-(-rows_b // 1024),)](
         state, z_y, y_b, y_b, logp_b, ent_b, lse_b, rows_b, ignore_index, HAS_IDX=False, BLOCK=1024,
         num_warps=4,
@@ -532,7 +568,7 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
             dh.index_copy_(0, idx_b, dh32.to(dh.dtype))
     out = []
     for t in (logp_b, ent_b, lse_b):
-        full = hidden.new_zeros((n,), dtype=torch.float32)
+        full = hidden.new_zeros((n,), dtype=t.dtype)
         if idx_b is None:
             full[:rows_b] = t
         else:
@@ -556,10 +592,11 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         gradients of the loss itself; scale them by the upstream gradient in backward).
     """
     n = hidden.shape[0]
-    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    logp, ent, lse = row_outputs(hidden, n)
     count = (labels != ignore_index).sum()
     coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
     idx = valid_rows(labels, ignore_index, n_valid)
+    hidden = rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)

@@ -145,9 +145,9 @@ def finalize_state_kernel(
     label = tl.load(labels_ptr + orow, mask=ok, other=ignore_index)
     valid = label != ignore_index
     log_s = tl.log(s)
-    lse = m + log_s
+    lse = m.to(tl.float64) + log_s.to(tl.float64)  # exact: see head.row_outputs
     tl.store(lse_ptr + orow, lse, mask=ok)
-    tl.store(logp_ptr + orow, tl.where(valid, z_y - lse, 0.0), mask=ok)
+    tl.store(logp_ptr + orow, tl.where(valid, (z_y.to(tl.float64) - lse).to(tl.float32), 0.0), mask=ok)
     tl.store(ent_ptr + orow, tl.where(valid, log_s - t / s, 0.0), mask=ok)
 
 
@@ -165,7 +165,7 @@ def finalize_kernel(
         orow = row.to(tl.int64) + row_offset
     m, s, t = _merge_splits(part_ptr + row.to(tl.int64) * NUM_SPLITS * 3, NUM_SPLITS)
     log_s = tl.log(s)
-    lse = m + log_s
+    lse = m.to(tl.float64) + log_s.to(tl.float64)  # exact: see head.row_outputs
     ent = log_s - t / s
     label = tl.load(labels_ptr + orow)
     valid = label != ignore_index
@@ -173,7 +173,7 @@ def finalize_kernel(
     safe = tl.where(valid & (label >= 0) & (label < V), label, 0).to(tl.int64)
     z_y = tl.load(logits_ptr + row.to(tl.int64) * stride_row + safe).to(tl.float32) * inv_t
     tl.store(lse_ptr + orow, lse)
-    tl.store(logp_ptr + orow, tl.where(valid, z_y - lse, 0.0))
+    tl.store(logp_ptr + orow, tl.where(valid, (z_y.to(tl.float64) - lse).to(tl.float32), 0.0))
     tl.store(ent_ptr + orow, tl.where(valid, ent, 0.0))
 
 
@@ -219,11 +219,14 @@ def dlogits_kernel(
         cols = start + k + offs
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=0.0)
-        logp = x.to(tl.float32) * inv_t - lse
+        # z - lse in float64 from the exact LSE: one rounding, at the size of log p
+        logp = ((x.to(tl.float32) * inv_t).to(tl.float64) - lse).to(tl.float32)
         p = tl.exp(logp)
         g = tl.where(cols + col0 == label, c_lp, 0.0) - c_lp * p
         if HAS_GENT:
             g -= c_ent * p * (logp + ent)
+        # an ignored row's logits may be NaN (a NaN hidden row): 0 * NaN must not reach dW
+        g = tl.where(valid, g, 0.0)
         tl.store(base + cols, g.to(x.dtype), mask=mask)
 
 
@@ -301,12 +304,13 @@ def dlogits_t_kernel(
         mask = (rows < end)[:, None] & col_ok[None, :]
         addr = rows.to(tl.int64)[:, None] * R + cols[None, :]
         x = tl.load(lt_ptr + addr, mask=mask, other=0.0)
-        logp = x.to(tl.float32) * inv_t - lse[None, :]
+        logp = ((x.to(tl.float32) * inv_t).to(tl.float64) - lse[None, :]).to(tl.float32)
         p = tl.exp(logp)
         hit = (rows[:, None] + v0) == label[None, :]
         g = tl.where(hit, c_lp[None, :], 0.0) - c_lp[None, :] * p
         if HAS_GENT:
             g -= c_ent[None, :] * p * (logp + ent[None, :])
+        g = tl.where(valid[None, :], g, 0.0)
         tl.store(out_ptr + addr, g.to(x.dtype), mask=mask)
 
 

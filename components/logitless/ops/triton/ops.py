@@ -26,7 +26,7 @@ from logitless.ops.triton import head
 def head_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
              temperature: float, for_backward: bool = False,
              n_valid: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns fp32 ``(logp, ent, lse)`` of shape ``(N,)``; see :func:`head.head_forward`.
+    """Returns ``(logp, ent, lse)`` of shape ``(N,)`` (fp32, fp32, float64); see :func:`head.head_forward`.
 
     ``n_valid``: the caller's count of non-ignored labels (-1: unknown, counted with a sync).
     """
@@ -36,7 +36,8 @@ def head_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
 @head_fwd.register_fake
 def _(hidden, weight, labels, ignore_index, temperature, for_backward=False, n_valid=-1):
     n = hidden.shape[0]
-    return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
+    return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((n,), dtype=torch.float64))
 
 
 @torch.library.custom_op("logitless::triton_head_bwd", mutates_args=())

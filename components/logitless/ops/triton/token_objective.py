@@ -75,6 +75,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     inv_t = 1.0 / temperature
     need_grad = need_dh or need_dw
     idx = head.valid_rows(labels, ignore_index, n_valid)
+    if need_grad:
+        hidden = head.rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     rows = n if idx is None else idx.numel()
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
@@ -96,7 +98,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
             dh, dw = head._slab_backward(hidden, weight, labels, idx, lse, ent if gent is not None else None,
                                          glp, gent, None, inv_t, ignore_index, need_dh, need_dw)
         return value, logp, ent, dh, dw
-    logp, ent, lse = (hidden.new_zeros((n,), dtype=torch.float32) for _ in range(3))
+    logp, ent, lse = head.row_outputs(hidden, n)
     # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
     glp = hidden.new_zeros((n,), dtype=torch.float32)
     gent = hidden.new_zeros((n,), dtype=torch.float32) if need_entropy else None
