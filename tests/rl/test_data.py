@@ -63,3 +63,11 @@ def test_synthetic_prompts():
     assert synthetic_prompt_dataset(vocab_size=100, num_samples=3, prompt_len=7, seed=1)[2] == ds[2]
     with pytest.raises(ValueError, match="vocab_size"):
         synthetic_prompt_dataset(num_samples=1)
+
+
+def test_gsm8k_keeps_every_column_for_the_rewards(tok, tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2", "id": "q-17", "difficulty": 0.5}) + "\n")
+    row = gsm8k_dataset(tok, source="json", data_files=str(path))[0]
+    assert {k: row[k] for k in ("question", "answer", "id", "difficulty")} == \
+        {"question": "1+1?", "answer": "#### 2", "id": "q-17", "difficulty": 0.5}
