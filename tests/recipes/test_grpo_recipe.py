@@ -189,8 +189,8 @@ def test_chat_dataset_columns_reach_rewards_and_completion_table(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = OmegaConf.load(ROOT / "configs/tiny_grpo_chat.yaml")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        f"output_dir={tmp_path / 'run'}", *SMALL, "max_steps=2", "eval_every_n_steps=null", "save_final_checkpoint=False",
-        "log_completions_every_n_steps=1", "log_completions_num_rows=null"]))
+        f"output_dir={tmp_path / 'run'}", *SMALL, "max_steps=2", "eval_every_n_steps=null",
+        "save_final_checkpoint=False",        "log_completions_every_n_steps=1", "log_completions_num_rows=null"]))
     cfg.rewards.append({"function": "column_rewards.sum_from_columns", "weight": 0.0})
     cfg.checkpointer.checkpoint_dir = str(ROOT / cfg.checkpointer.checkpoint_dir)
     for key in ("dataset", "eval_dataset"):

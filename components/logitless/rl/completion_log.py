@@ -12,8 +12,8 @@ the step (whole groups first, in batch order; on several ranks, rank 0's share) 
   skip them). Other loggers get the JSONL file only.
 
 Example:
-    >>> log = CompletionLogger("outputs/run", logger, every_n_steps=10, num_rows=8)
-    >>> if log.due(step):
+    >>> log = CompletionLogger("outputs/run", logger, every_n_steps=10, num_rows=8)  # doctest: +SKIP
+    >>> if log.due(step):  # doctest: +SKIP
     ...     log.log(step, prompts, completions, rewards, advantages)
 """
 
@@ -75,8 +75,8 @@ def read_completions(path: str) -> List[Dict[str, Any]]:
     """Rows of a ``completions.jsonl`` file (or of a DiskLogger file's ``Completions step`` lines).
 
     Example:
-        >>> rows = read_completions("outputs/tiny_grpo/logs/completions.jsonl")
-        >>> [(r["completion"], r["reward"]) for r in rows if r["step"] == 10]
+        >>> rows = read_completions("outputs/tiny_grpo/logs/completions.jsonl")  # doctest: +SKIP
+        >>> [(r["completion"], r["reward"]) for r in rows if r["step"] == 10]  # doctest: +SKIP
     """
     rows = []
     with open(path) as f:
@@ -92,7 +92,10 @@ def read_completions(path: str) -> List[Dict[str, Any]]:
 
 def _markdown(rows: List[Dict[str, Any]]) -> str:
     cols = list(rows[0])
-    esc = lambda v: (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", "\\n")  # noqa: E731
+
+    def esc(v: Any) -> str:
+        return (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("|", "\\|").replace("\n", "\\n")
+
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(esc(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -134,7 +137,7 @@ class CompletionLogger:
         enabled (bool): False on ranks other than 0.
 
     Example:
-        >>> log = CompletionLogger("outputs/run", logger, every_n_steps=10, num_rows=8)
+        >>> log = CompletionLogger("outputs/run", logger, every_n_steps=10, num_rows=8)  # doctest: +SKIP
     """
 
     def __init__(self, output_dir: str, metric_logger: Any, *, every_n_steps: Optional[int],

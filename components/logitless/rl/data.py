@@ -1,8 +1,11 @@
-"""Prompt datasets for GRPO: GSM8K (HF hub or local JSON/Parquet), a tiny arithmetic task, and
-random-token prompts for random-weight runs.
+"""Prompt datasets for GRPO: any prompt table with plain or conversational prompts
+(:func:`prompt_dataset`), GSM8K (HF hub or local JSON/Parquet), a tiny arithmetic task (plain and
+as chat rows), and random-token prompts for random-weight runs.
 
-Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``; the fields
-(e.g. ``answer``) are handed to the reward functions. Prompts longer than ``max_prompt_tokens``
+Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``: ``prompt`` is
+the text the policy is given (its chat-template rendering for conversational prompts) and the
+fields are the dataset's other columns, every one handed to the reward functions as a keyword
+argument (TRL's convention). Prompts longer than ``max_prompt_tokens``
 are dropped (``overflow="skip"``), cut from the left keeping the end of the prompt where the
 question and the generation header are (``"truncate"``), or rejected (``"error"``): never mangled
 silently.
@@ -163,10 +166,12 @@ def gsm8k_dataset(
             raise ValueError(f"GSM8K source {where!r}: row {i} has {answer_column!r} = {a!r}; expected an answer")
     questions = list(raw[question_column])
     tokens = [_encode(tokenizer, q, system_prompt, chat) for q in questions]
+    # the prompt text (logs, rewards) is what the policy is given: the chat rendering when ``chat``
+    texts = [tokenizer.decode(t, skip_special_tokens=False) for t in tokens] if chat else questions
     # every column reaches the reward functions (TRL's convention); the reference is always ``answer``
     fields = {c: list(raw[c]) for c in raw.column_names if c not in RESERVED_COLUMNS}
     fields["answer"] = list(raw[answer_column])
-    return PromptDataset(questions, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
+    return PromptDataset(texts, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
                          source=where)
 
 

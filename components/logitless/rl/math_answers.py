@@ -30,7 +30,8 @@ _HASH_RE = re.compile(r"####\s*([^\n]*)")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+?)\s*(?:\.(?:\s|$)|\n|$)", re.IGNORECASE)
 # "<number> <words>" ("5 dollars", "12 cm."): the number; a unit never makes an answer wrong.
 # A single letter right after the number ("2x") is a variable, not a unit.
-_NUMBER_WITH_UNITS_RE = re.compile(rf"^({_NUM}(?:\s*/\s*{_NUM})?)(?:\s+[A-Za-z]+\.?|[A-Za-z]{{2,}}\.?)(?:\s+[A-Za-z]+\.?)*\s*$")
+_NUMBER_WITH_UNITS_RE = re.compile(
+    rf"^({_NUM}(?:\s*/\s*{_NUM})?)(?:\s+[A-Za-z]+\.?|[A-Za-z]{{2,}}\.?)(?:\s+[A-Za-z]+\.?)*\s*$")
 _MAX_SYMPY_CHARS = 120  # sympy on long or adversarial strings can take seconds; compare those as strings
 
 

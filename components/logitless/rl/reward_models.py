@@ -48,8 +48,8 @@ class SequenceClassifierReward:
         ImportError: ``transformers`` is not installed (at the first call).
 
     Example:
-        >>> rm = SequenceClassifierReward("/models/rm", batch_size=8)
-        >>> rm(["Q: 1+1?"], [" 2"])   # one float per completion
+        >>> rm = SequenceClassifierReward("/models/rm", batch_size=8)  # doctest: +SKIP
+        >>> rm(["Q: 1+1?"], [" 2"])   # one float per completion  # doctest: +SKIP
     """
 
     def __init__(self, path: str, *, batch_size: int = 8, max_length: Optional[int] = None, device: str = "auto",

@@ -187,7 +187,8 @@ def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]
     Args:
         entries (Sequence[Mapping]): the ``rewards`` list of a config. ``function`` is a dotted
             path to a callable, the callable itself, or a ``{_component_: ..., **args}`` mapping
-            that builds one (e.g. :class:`logitless.rl.reward_models.SequenceClassifierReward`); ``weight`` defaults to 1.0; ``name``
+            that builds one (e.g. :class:`logitless.rl.reward_models.SequenceClassifierReward`);
+            ``weight`` defaults to 1.0; ``name``
             defaults to the function's last path component.
 
     Returns:
