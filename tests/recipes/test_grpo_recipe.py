@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from logitless.rl.completion_log import read_completions
 from logitless.rl.recipe import GRPORecipe
 from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
@@ -39,18 +40,24 @@ def test_cli_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "components"), str(ROOT / "recipes"),
                                                        os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(ROOT / "recipes/grpo_single_device.py"), "--config", str(ROOT / "configs/tiny_grpo.yaml"),
-           f"output_dir={tmp_path}", "max_steps=2", *SMALL,
+           f"output_dir={tmp_path}", "max_steps=2", *SMALL, "log_completions_every_n_steps=2",
            f"checkpointer.checkpoint_dir={ROOT / 'components/logitless/rl/assets/tiny_grpo_warmstart'}"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     from logitless.training.metric_logging import read_disk_log
 
     log = read_disk_log(glob.glob(str(tmp_path / "logs" / "log_*.txt"))[0])
-    for key in ("reward/mean", "reward/std", "reward/gsm8k_correctness/mean", "reward/gsm8k_format/std", "entropy",
+    for key in ("reward/mean", "reward/std", "reward/math_correctness/mean", "reward/math_correctness/std", "entropy",
                 "clip_ratio/region", "completion_length/mean", "tokens_per_second", "peak_rss_gib", "loss",
                 "grad_norm", "eval/accuracy"):
         assert key in log, key
     assert sorted(log["reward/mean"]) == [1, 2]
+    assert not [k for k in log if k.startswith("reward/gsm8k")]  # named after the configured reward only
+    # the completion table of step 2: in the run folder and in the disk logger's file
+    table = read_completions(str(tmp_path / "logs" / "completions.jsonl"))
+    in_log = read_completions(glob.glob(str(tmp_path / "logs" / "log_*.txt"))[0])
+    assert table == in_log and len(table) == 8 and {r["step"] for r in table} == {2}
+    assert set(table[0]) == {"step", "prompt", "completion", "math_correctness", "reward", "advantage"}
     assert (tmp_path / "step_000002" / "recipe_state.pt").is_file()
 
 
@@ -180,3 +187,46 @@ def test_another_runs_folder_and_changed_group_size_are_refused_before_the_polic
     with pytest.raises(ConfigError, match=r"'num_generations': 4 -> 2.*resume_allow_changes=\[num_generations\]"):
         GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "num_generations=2", "resume_from_checkpoint=auto")).run()
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+REWARD_MODULE = '''
+SEEN = []
+
+def sum_from_columns(prompts, completions, a, b, **kwargs):
+    SEEN.append(sorted(kwargs))
+    return [float(c.strip() == str(x + y)) for c, x, y in zip(completions, a, b)]
+'''
+
+
+def test_chat_dataset_columns_reach_rewards_and_completion_table(tmp_path, monkeypatch):
+    """configs/tiny_grpo_chat.yaml (conversational prompts) with a reward reading the dataset's ``a`` and
+    ``b`` columns: it agrees with math_correctness on ``answer`` for every completion, and the completion
+    table holds each reward and the group advantage computed from the rows themselves."""
+    (tmp_path / "column_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = OmegaConf.load(ROOT / "configs/tiny_grpo_chat.yaml")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+        f"output_dir={tmp_path / 'run'}", *SMALL, "max_steps=2", "eval_every_n_steps=null",
+        "save_final_checkpoint=False",        "log_completions_every_n_steps=1", "log_completions_num_rows=null"]))
+    cfg.rewards.append({"function": "column_rewards.sum_from_columns", "weight": 0.0})
+    cfg.checkpointer.checkpoint_dir = str(ROOT / cfg.checkpointer.checkpoint_dir)
+    for key in ("dataset", "eval_dataset"):
+        cfg[key].data_files = str(ROOT / cfg[key].data_files)
+    hist = GRPORecipe(cfg).run()
+    import column_rewards
+
+    assert column_rewards.SEEN == [["answer"], ["answer"]]  # every other column, once per step
+    rows = read_completions(str(tmp_path / "run" / "logs" / "completions.jsonl"))
+    assert [r["step"] for r in rows] == [1] * 16 + [2] * 16
+    for r in rows:
+        assert r["prompt"].startswith("<|im_start|>system\n") and r["prompt"].endswith("<|im_start|>assistant\n")
+        assert r["sum_from_columns"] == r["math_correctness"] == r["reward"]
+    for step in (1, 2):
+        got = [r for r in rows if r["step"] == step]
+        assert hist[step - 1]["reward/math_correctness/mean"] == pytest.approx(
+            sum(r["reward"] for r in got) / 16, abs=1e-6)
+        for g in range(4):
+            group = torch.tensor([r["reward"] for r in got[4 * g:4 * g + 4]], dtype=torch.float64)
+            std = group.std()
+            want = torch.zeros(4) if std == 0 else (group - group.mean()) / (std + 1e-4)
+            assert [r["advantage"] for r in got[4 * g:4 * g + 4]] == pytest.approx(want.tolist(), abs=1e-5)

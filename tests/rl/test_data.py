@@ -50,9 +50,10 @@ def test_gsm8k_from_local_json_with_chat_template(tok, tmp_path):
             {"question": "x" * 2000, "answer": "#### 1"}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     ds = gsm8k_dataset(tok, source="json", data_files=str(path), max_prompt_tokens=200, overflow="skip")
-    assert len(ds) == 1 and ds[0]["answer"].endswith("#### 7")
+    assert len(ds) == 1 and ds[0]["answer"].endswith("#### 7") and ds[0]["question"] == rows[0]["question"]
     text = tok.decode(ds[0]["prompt_tokens"], skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert ds[0]["prompt"] == text  # what the policy is given, as logs and rewards see it
     with pytest.raises(ValueError, match="no column 'problem'"):
         gsm8k_dataset(tok, source="json", data_files=str(path), question_column="problem")
 
@@ -63,3 +64,11 @@ def test_synthetic_prompts():
     assert synthetic_prompt_dataset(vocab_size=100, num_samples=3, prompt_len=7, seed=1)[2] == ds[2]
     with pytest.raises(ValueError, match="vocab_size"):
         synthetic_prompt_dataset(num_samples=1)
+
+
+def test_gsm8k_keeps_every_column_for_the_rewards(tok, tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2", "id": "q-17", "difficulty": 0.5}) + "\n")
+    row = gsm8k_dataset(tok, source="json", data_files=str(path))[0]
+    assert {k: row[k] for k in ("question", "answer", "id", "difficulty")} == \
+        {"question": "1+1?", "answer": "#### 2", "id": "q-17", "difficulty": 0.5}

@@ -9,7 +9,7 @@ from logitless.rl.batch import PolicyBatch, policy_batch, policy_forward
 from logitless.rl.generation import Rollout, generate, left_pad
 from logitless.rl.reference import ReferencePolicy, build_reference
 from logitless.rl.rewards import (
-    RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format,
+    RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format, math_correctness,
 )
 from logitless.rl.sampling import sample_next
 from logitless.rl.shared_batch import SharedGroupBatch, shared_batch, training_batch
@@ -18,5 +18,6 @@ from logitless.rl.update import grpo_update
 __all__ = [
     "PolicyBatch", "ReferencePolicy", "RewardError", "RewardSpec", "Rollout", "SharedGroupBatch", "build_reference",
     "build_reward_specs", "compute_rewards", "generate", "group_advantages", "grpo_update", "gsm8k_correctness",
-    "gsm8k_format", "left_pad", "policy_batch", "policy_forward", "sample_next", "shared_batch", "training_batch",
+    "gsm8k_format", "left_pad", "math_correctness", "policy_batch", "policy_forward", "sample_next", "shared_batch",
+    "training_batch",
 ]

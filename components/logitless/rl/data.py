@@ -1,23 +1,38 @@
-"""Prompt datasets for GRPO: GSM8K (HF hub or local JSON/Parquet), a tiny arithmetic task, and
-random-token prompts for random-weight runs.
+"""Prompt datasets for GRPO: any prompt table with plain or conversational prompts
+(:func:`prompt_dataset`), GSM8K (HF hub or local JSON/Parquet), a tiny arithmetic task (plain and
+as chat rows), and random-token prompts for random-weight runs.
 
-Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``; the fields
-(e.g. ``answer``) are handed to the reward functions. Prompts longer than ``max_prompt_tokens``
+Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``: ``prompt`` is
+the text the policy is given (its chat-template rendering for conversational prompts) and the
+fields are the dataset's other columns, every one handed to the reward functions as a keyword
+argument (TRL's convention). Prompts longer than ``max_prompt_tokens``
 are dropped (``overflow="skip"``), cut from the left keeping the end of the prompt where the
 question and the generation header are (``"truncate"``), or rejected (``"error"``): never mangled
 silently.
 """
 
 import random
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from torch.utils.data import Dataset
+
+from logitless.rl.chat import is_conversation, render_chat_prompt
+
+#: Row keys that are not dataset columns, and the reward functions' own argument names: a column
+#: may not take them (it would shadow the prompt or a positional argument of every reward).
+RESERVED_COLUMNS = ("prompt", "prompt_tokens", "prompts", "completions")
 
 DEFAULT_GSM8K_SYSTEM_PROMPT = (
     "You are a helpful math assistant. Solve the problem step by step, then give the final "
     "answer on its own last line as '#### <number>'."
 )
 _OVERFLOW = ("skip", "truncate", "error")
+_ASSETS = Path(__file__).resolve().parent / "assets"
+#: The tiny conversational arithmetic task (JSON lines, TRL's conversational format) of
+#: ``configs/tiny_grpo_chat.yaml``: ``{"prompt": [system, user], "answer", "a", "b"}`` per row.
+TINY_CHAT_FILES = {"train": str(_ASSETS / "tiny_chat_arithmetic_train.jsonl"),
+                   "eval": str(_ASSETS / "tiny_chat_arithmetic_eval.jsonl")}
 
 
 class PromptDataset(Dataset):
@@ -43,6 +58,10 @@ class PromptDataset(Dataset):
         if overflow not in _OVERFLOW:
             raise ValueError(f"overflow must be one of {_OVERFLOW}, got {overflow!r}")
         fields = dict(fields or {})
+        for key in RESERVED_COLUMNS:
+            if key in fields:
+                raise ValueError(f"field {key!r} is reserved ({', '.join(RESERVED_COLUMNS)} are the prompt and "
+                                 f"the reward functions' own arguments); rename the column")
         for key, values in fields.items():
             if len(values) != len(prompts):
                 raise ValueError(f"field {key!r} has {len(values)} values, expected {len(prompts)}")
@@ -80,12 +99,18 @@ class PromptDataset(Dataset):
 def _encode(tokenizer: Any, text: str, system_prompt: Optional[str], chat: bool) -> List[int]:
     if not chat:
         return tokenizer.encode(text, add_bos=False, add_eos=False)
-    from torchtune.data import Message
+    return render_chat_prompt(tokenizer, [{"role": "user", "content": text}], system_prompt=system_prompt)[0]
 
-    messages = ([Message(role="system", content=system_prompt)] if system_prompt else []) + [
-        Message(role="user", content=text), Message(role="assistant", content="")]
-    tokens, _ = tokenizer.tokenize_messages(messages, add_eos=False)
-    return tokens
+
+def _load_table(source: str, name: Optional[str], split: str, data_files: Any):
+    """An HF ``datasets`` split: from the hub, or from local JSON / JSON lines / Parquet / CSV files."""
+    import datasets
+
+    if source in ("json", "parquet", "csv"):
+        if data_files is None:
+            raise ValueError(f"source={source!r} needs data_files (a local path)")
+        return datasets.load_dataset(source, data_files=data_files, split=split)
+    return datasets.load_dataset(source, name, split=split)
 
 
 def gsm8k_dataset(
@@ -120,19 +145,13 @@ def gsm8k_dataset(
         num_samples (Optional[int]): keep the first N rows.
 
     Returns:
-        PromptDataset: rows with ``prompt_tokens``, ``prompt``, ``answer``.
+        PromptDataset: rows with ``prompt_tokens``, ``prompt``, ``answer`` and every other column of
+        the source (``question``...), all handed to the reward functions.
 
     Example:
         >>> ds = gsm8k_dataset(tok, source="json", data_files="gsm8k.jsonl")  # doctest: +SKIP
     """
-    import datasets
-
-    if source in ("json", "parquet", "csv"):
-        if data_files is None:
-            raise ValueError(f"source={source!r} needs data_files (a local path)")
-        raw = datasets.load_dataset(source, data_files=data_files, split=split)
-    else:
-        raw = datasets.load_dataset(source, name, split=split)
+    raw = _load_table(source, name, split, data_files)
     where = str(data_files if data_files is not None else source)
     for col in (question_column, answer_column):
         if col not in raw.column_names:
@@ -147,9 +166,100 @@ def gsm8k_dataset(
             raise ValueError(f"GSM8K source {where!r}: row {i} has {answer_column!r} = {a!r}; expected an answer")
     questions = list(raw[question_column])
     tokens = [_encode(tokenizer, q, system_prompt, chat) for q in questions]
-    return PromptDataset(questions, tokens, {"answer": list(raw[answer_column])},
-                         max_prompt_tokens=max_prompt_tokens, overflow=overflow,
+    # the prompt text (logs, rewards) is what the policy is given: the chat rendering when ``chat``
+    texts = [tokenizer.decode(t, skip_special_tokens=False) for t in tokens] if chat else questions
+    # every column reaches the reward functions (TRL's convention); the reference is always ``answer``
+    fields = {c: list(raw[c]) for c in raw.column_names if c not in RESERVED_COLUMNS}
+    fields["answer"] = list(raw[answer_column])
+    return PromptDataset(texts, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
                          source=where)
+
+
+def prompt_dataset(
+    tokenizer: Any,
+    *,
+    source: str = "json",
+    data_files: Optional[Any] = None,
+    name: Optional[str] = None,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    answer_column: Optional[str] = None,
+    system_prompt: Optional[str] = None,
+    chat: Optional[bool] = None,
+    max_prompt_tokens: Optional[int] = None,
+    overflow: str = "skip",
+    num_samples: Optional[int] = None,
+) -> PromptDataset:
+    """Any prompt table: plain-text prompts or conversational ones (lists of messages), every other
+    column handed to the reward functions as a keyword argument.
+
+    A conversational row (TRL's format) holds its prompt as
+    ``[{"role": "system", "content": ...}, {"role": "user", "content": ...}]`` and is rendered with
+    the tokenizer's chat template, ending with the open assistant turn
+    (:func:`logitless.rl.chat.render_chat_prompt`); its ``prompt`` text (logs, rewards) is that
+    rendering. A plain-text prompt is encoded as is, or as one user turn when ``chat`` is true.
+
+    Args:
+        tokenizer: a torchtune tokenizer (``tokenize_messages`` for conversational prompts).
+        source (str): HF dataset id, or ``"json"`` (JSON / JSON lines) / ``"parquet"`` / ``"csv"`` with
+            ``data_files``.
+        data_files: local file(s) for a file ``source``.
+        name (Optional[str]): HF config name.
+        split (str): the split (a local file's rows are ``"train"``).
+        prompt_column (str): column with the prompt (a string or a list of messages).
+        answer_column (Optional[str]): a column also exposed as ``answer`` (e.g. ``solution`` of MATH),
+            the keyword the bundled correctness rewards read.
+        system_prompt (Optional[str]): system message put first in every conversation that has none.
+        chat (Optional[bool]): render plain-text prompts as a user turn too (None: only lists of
+            messages go through the template; a ``system_prompt`` implies true).
+        max_prompt_tokens (Optional[int]): prompt length limit.
+        overflow (str): ``"skip" | "truncate" | "error"``.
+        num_samples (Optional[int]): keep the first N rows.
+
+    Returns:
+        PromptDataset: rows with ``prompt_tokens``, ``prompt`` and every other column.
+
+    Raises:
+        ValueError: naming the column or row (missing column, a bad message, a reserved column name).
+
+    Example:
+        >>> from logitless.data import tiny_qwen2_5_tokenizer
+        >>> from logitless.rl.data import TINY_CHAT_FILES
+        >>> ds = prompt_dataset(tiny_qwen2_5_tokenizer(), data_files=TINY_CHAT_FILES["train"])
+        >>> sorted(k for k in ds[0] if k != "prompt_tokens")
+        ['a', 'answer', 'b', 'prompt']
+    """
+    raw = _load_table(source, name, split, data_files)
+    for key, col in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+        if col is not None and col not in raw.column_names:
+            raise ValueError(f"prompt_dataset {key}={col!r}: no such column in {source!r} "
+                             f"({data_files or name}); columns: {raw.column_names}")
+    if num_samples is not None:
+        raw = raw.select(range(min(num_samples, len(raw))))
+    wrap = bool(system_prompt) if chat is None else chat
+    texts, tokens = [], []
+    for i, prompt in enumerate(raw[prompt_column]):
+        row = f"{prompt_column} of row {i} of {str(data_files or source)!r}"
+        if is_conversation(prompt):
+            toks, text = render_chat_prompt(tokenizer, prompt, system_prompt=system_prompt, where=row)
+        elif isinstance(prompt, str):
+            toks, text = _encode(tokenizer, prompt, system_prompt, wrap), prompt
+            if wrap:
+                text = tokenizer.decode(toks, skip_special_tokens=False)
+        else:
+            raise ValueError(f"{row}: expected a string or a list of {{role, content}} messages, "
+                             f"got {type(prompt).__name__}")
+        texts.append(text)
+        tokens.append(toks)
+    fields = {c: list(raw[c]) for c in raw.column_names if c != prompt_column}
+    reserved = [c for c in fields if c in RESERVED_COLUMNS]
+    if reserved:
+        raise ValueError(f"prompt_dataset: column {reserved[0]!r} is a reserved name ({RESERVED_COLUMNS}); "
+                         f"rename it in the data")
+    if answer_column is not None and answer_column != "answer":
+        fields["answer"] = list(raw[answer_column])
+    return PromptDataset(texts, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
+                         source=str(data_files or source))
 
 
 def arithmetic_pairs(max_sum: int = 9, b_values: Optional[Sequence[int]] = None) -> List[tuple]:

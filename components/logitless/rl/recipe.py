@@ -39,9 +39,11 @@ from torchtune import training as tt_training
 from torchtune.utils import get_logger
 
 from logitless.rl.advantages import group_advantages
+from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.metrics import rollout_metrics
 from logitless.rl.preflight import check_generation, check_stop_tokens, fit_prompt_dataset
 from logitless.rl.reference import build_reference
+from logitless.rl.reward_models import place_reward_models
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.samplers import SAMPLER_KEYS, build_sampler, uses_rollout_copy
 from logitless.rl.sampling import prompt_generators
@@ -98,6 +100,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                              "stop after this many in a row (null: never)"),
     "enable_activation_checkpointing": Key(bool, default=False),
     "log_every_n_steps": Key(int, default=1, min=1),
+    "log_completions_every_n_steps": Key((int, None), default=None, min=1,
+                                         doc="completion table (prompt, completion, rewards, advantage) every N steps"),
+    "log_completions_num_rows": Key((int, None), default=8, min=1, doc="completions per table (null: all)"),
     "save_every_n_steps": Key((int, None), default=None, min=1),
     "save_final_checkpoint": Key(bool, default=True),
     "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
@@ -225,6 +230,7 @@ class GRPORecipe:
         self.eval_dataset = (instantiate_dataset(cfg.eval_dataset, "eval_dataset", self.tokenizer)
                              if cfg.eval_dataset is not None and cfg.eval_every_n_steps is not None else None)
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
+        place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         gen = OmegaConf.to_container(cfg.generation, resolve=True)
         limits = model_limits(cfg.model)
         check_stop_tokens(gen.get("stop_tokens", []), limits.vocab_size, "generation.stop_tokens")
@@ -397,6 +403,7 @@ class GRPORecipe:
         batch_values = self._gather({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated})
         lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
+        self.last_rollout = (prompts, texts, rewards, advantages[share.start * group_size:share.stop * group_size])
         attention = self._packing_attention(rollout)
         batch = training_batch(rollout, prompt_sharing=attention is not None, pad_id=self.pad_id,
                                ignore_index=self.loss_fn.ignore_index, attention=attention or "sdpa")
@@ -464,6 +471,8 @@ class GRPORecipe:
         logger = build_metric_logger(cfg.metric_logger, cfg.output_dir, is_rank_zero=rank_zero)
         if state is None and rank_zero:
             logger.log_config(cfg)
+        completion_log = CompletionLogger(cfg.output_dir, logger, every_n_steps=cfg.log_completions_every_n_steps,
+                                          num_rows=cfg.log_completions_num_rows, enabled=rank_zero)
         bar = ProgressBar(cfg.max_steps, initial=step, enabled=rank_zero)
         last_saved = step if state is not None else -1
         self.model.train()
@@ -477,6 +486,8 @@ class GRPORecipe:
             bar.update(metrics)
             if step % cfg.log_every_n_steps == 0 or step == cfg.max_steps:
                 logger.log_dict(metrics, step=step)
+            if completion_log.due(step):
+                completion_log.log(step, *self.last_rollout)
             if cfg.save_every_n_steps is not None and step % cfg.save_every_n_steps == 0:
                 self.save(step)
                 last_saved = step

@@ -2,8 +2,15 @@
 
 A reward function is any callable ``f(prompts, completions, **row_fields) -> list[float]``:
 ``prompts`` and ``completions`` are lists of strings of equal length N (one entry per completion,
-a prompt repeated for each of its generations) and ``row_fields`` holds the dataset's other columns
-(e.g. ``answer``), each a list of length N. Unused fields are absorbed by ``**kwargs``.
+a prompt repeated for each of its generations) and ``row_fields`` holds every other column of the
+dataset (``answer`` and any other: TRL's convention), each a list of length N, passed as keyword
+arguments. A function names the columns it reads and absorbs the rest with ``**kwargs``::
+
+    def sum_correct(prompts, completions, a, b, **kwargs):   # columns "a" and "b"
+        return [float(c.strip() == str(x + y)) for c, x, y in zip(completions, a, b)]
+
+A reward with set-up (a model) is a callable object built from a component mapping
+(:mod:`logitless.rl.reward_models`).
 
 Recipes name them in YAML with weights::
 
@@ -23,6 +30,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from logitless.rl.math_answers import answers_match, extract_answer, reference_answer
+
 __all__ = [
     "RewardError",
     "RewardSpec",
@@ -31,6 +40,7 @@ __all__ = [
     "extract_final_number",
     "gsm8k_correctness",
     "gsm8k_format",
+    "math_correctness",
     "parse_gsm8k_answer",
 ]
 
@@ -96,14 +106,42 @@ def extract_final_number(completion: str) -> Optional[float]:
     return _to_float(nums[-1]) if nums else None
 
 
-def gsm8k_correctness(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
-                      **row_fields: Any) -> List[float]:
-    """1.0 when the completion's final number equals the reference answer's, else 0.0.
+def math_correctness(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any],
+                     **row_fields: Any) -> List[float]:
+    """1.0 when the completion's final answer equals the reference, else 0.0
+    (:mod:`logitless.rl.math_answers`: integers, decimals, ``1,000``, fractions, ``\\frac`` /
+    ``\\dfrac``, ``\\boxed{}``, units, sympy-equivalent expressions).
+
+    The completion's answer is the text after its last ``####``, else its last ``\\boxed{}``, else
+    after "answer is", else its last number; the reference's is after ``####`` (GSM8K), else in its
+    last ``\\boxed{}`` (a MATH solution), else the whole field.
 
     Args:
         prompts (Sequence[str]): prompts (unused).
         completions (Sequence[str]): generated texts.
-        answer (Sequence[str]): GSM8K answer fields (``"... #### 72"``) or bare numbers.
+        answer (Sequence[Any]): the dataset's ``answer`` column (a GSM8K answer, a MATH solution or a
+            bare answer).
+        **row_fields: other dataset columns (ignored).
+
+    Returns:
+        List[float]: one reward per completion.
+
+    Example:
+        >>> math_correctness(["q", "q"], ["so \\\\boxed{\\\\dfrac12}", "#### 0.51"], answer=["0.5", "#### 1/2"])
+        [1.0, 0.0]
+    """
+    return [1.0 if answers_match(extract_answer(c), reference_answer(ref)) else 0.0
+            for c, ref in zip(completions, answer)]
+
+
+def gsm8k_correctness(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
+                      **row_fields: Any) -> List[float]:
+    """GSM8K's correctness reward: :func:`math_correctness` on GSM8K answer fields (``"... #### 72"``).
+
+    Args:
+        prompts (Sequence[str]): prompts (unused).
+        completions (Sequence[str]): generated texts.
+        answer (Sequence[str]): GSM8K answer fields or bare numbers.
         **row_fields: other dataset columns (ignored).
 
     Returns:
@@ -113,13 +151,7 @@ def gsm8k_correctness(prompts: Sequence[str], completions: Sequence[str], answer
         >>> gsm8k_correctness(["q"], ["so 72 in total. #### 72"], answer=["... #### 72"])
         [1.0]
     """
-    out = []
-    for completion, ref in zip(completions, answer):
-        target = parse_gsm8k_answer(str(ref))
-        got = extract_final_number(completion)
-        ok = target is not None and got is not None and math.isclose(got, target, rel_tol=0, abs_tol=1e-6)
-        out.append(1.0 if ok else 0.0)
-    return out
+    return math_correctness(prompts, completions, answer)
 
 
 def gsm8k_format(prompts: Sequence[str], completions: Sequence[str], **row_fields: Any) -> List[float]:
@@ -154,14 +186,17 @@ def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]
 
     Args:
         entries (Sequence[Mapping]): the ``rewards`` list of a config. ``function`` is a dotted
-            path to a callable or the callable itself; ``weight`` defaults to 1.0; ``name``
+            path to a callable, the callable itself, or a ``{_component_: ..., **args}`` mapping
+            that builds one (e.g. :class:`logitless.rl.reward_models.SequenceClassifierReward`);
+            ``weight`` defaults to 1.0; ``name``
             defaults to the function's last path component.
 
     Returns:
         List[RewardSpec]: one per entry.
 
     Raises:
-        ValueError: on an empty list, a missing/unknown function, a non-finite weight or duplicate names.
+        ValueError: on an empty list, a missing/unknown function, a component that cannot be built,
+            a non-finite weight or duplicate names.
 
     Example:
         >>> [s.name for s in build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_format"}])]
@@ -176,7 +211,19 @@ def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]
         if "function" not in entry:
             raise ValueError(f"rewards[{i}] needs a 'function' (dotted path to a callable), got keys {list(entry)}")
         fn = entry["function"]
-        if isinstance(fn, str):
+        if isinstance(fn, Mapping):  # a component with arguments, e.g. a reward model
+            if "_component_" not in fn:
+                raise ValueError(f"rewards[{i}].function: a mapping needs '_component_' (a dotted path to a class "
+                                 f"or factory), got keys {list(fn)}")
+            from omegaconf import OmegaConf
+            from torchtune import config as tt_config
+
+            try:
+                fn = tt_config.instantiate(OmegaConf.create(dict(fn)))
+            except Exception as e:
+                raise ValueError(f"rewards[{i}].function={fn['_component_']!r} cannot be built: "
+                                 f"{type(e).__name__}: {e}") from e
+        elif isinstance(fn, str):
             try:
                 fn = _get_component_from_path(fn)
             except Exception as e:  # torchtune raises InstantiationError
