@@ -33,6 +33,7 @@ from logitless.training.preflight import (ON_TOO_LONG, check_device, check_optim
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.sft import SFTObjective
 from logitless.training.step import TrainStep
+from logitless.training.threads import CPU_THREADS_KEY, apply_cpu_threads, check_cpu_threads
 
 SFT_SCHEMA: Dict[str, Key] = {
     "output_dir": Key(str, doc="folder for checkpoints and logs"),
@@ -59,6 +60,7 @@ SFT_SCHEMA: Dict[str, Key] = {
     "clip_grad_norm": Key((float, None), default=None),
     "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
     "device": Key(str, default="auto", doc="'auto' (cuda if available), 'cpu', 'cuda'"),
+    "cpu_threads": CPU_THREADS_KEY,
     "enable_activation_checkpointing": Key(bool, default=False),
     "compile": Key(bool, default=False),
     "log_every_n_steps": Key(int, default=1, min=1),
@@ -114,6 +116,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
     check_optimizer(cfg.optimizer)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
+    check_cpu_threads(cfg.cpu_threads)
     return cfg
 
 
@@ -260,6 +263,7 @@ class SFTRecipe:
     def run(self) -> List[float]:
         """Trains; returns the loss of every optimizer step this process ran."""
         cfg = self.cfg
+        apply_cpu_threads(cfg.cpu_threads, cfg.device)
         self._setup_runtime()
         resume_dir = self._resume_dir()
         recipe_state = CheckpointManager.load_recipe_state(resume_dir) if resume_dir is not None else None
