@@ -45,11 +45,10 @@ def _how_to_run(src_kind: str, name: str, dest: Path) -> str:
     recipe = registry.get_recipe(name)
     config = recipe.configs[0] if recipe is not None and recipe.configs else "CONFIG"
     nproc = "--nproc_per_node 2 " if recipe is not None and recipe.distributed else ""
-    if dest.parent.resolve() == Path.cwd().resolve():
-        target = dest.name
-    else:
-        target = str(dest)
-    return (f"Run it from {dest.parent}:  tune run {nproc}{dest.name} --config {registry.config_path(config)}\n"
+    folder = dest.parent.resolve()
+    target = dest.name if folder == Path.cwd().resolve() else str(dest)
+    # tune run takes a custom recipe as a module of the cwd: its file name, no folder, no './'
+    return (f"Run it from {folder}:  tune run {nproc}{dest.name} --config {registry.config_path(config)}\n"
             f"or from anywhere:  logitless run {nproc}{target} --config {config}")
 
 
@@ -92,17 +91,23 @@ def tune_run_argv(args: Sequence[str]) -> List[str]:
         >>> tune_run_argv(["grpo_single_device", "--config", "tiny_grpo"])
         ['run', 'grpo_single_device', '--config', '/.../logitless/configs/tiny_grpo.yaml']
     """
+    from torch.distributed.run import get_args_parser  # tune run's own split: torchrun options, recipe, its args
+
     args = list(args)
-    if "--config" in args and args.index("--config") + 1 < len(args):
-        i = args.index("--config") + 1
+    try:
+        recipe_args = get_args_parser().parse_args(args).training_script_args
+    except SystemExit:  # no recipe given: tune run reports it
+        return ["run", *args]
+    r = len(args) - len(recipe_args) - 1  # the recipe's index
+    if "--config" in recipe_args and recipe_args.index("--config") + 1 < len(recipe_args):
+        i = r + 1 + recipe_args.index("--config") + 1
         if not os.path.isfile(args[i]) and args[i].removesuffix(".yaml") in registry.config_names():
             args[i] = str(registry.config_path(args[i]))
-        recipe_i = i - 2  # ``RECIPE --config CONFIG``: the recipe is the argument before --config
-        if recipe_i >= 0 and args[recipe_i].endswith(".py") and os.path.isfile(args[recipe_i]):
-            folder = str(Path(args[recipe_i]).resolve().parent)
-            sys.path.insert(0, folder)
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
-            args[recipe_i] = Path(args[recipe_i]).stem
+    if args[r].endswith(".py") and os.path.isfile(args[r]):
+        folder = str(Path(args[r]).resolve().parent)
+        sys.path.insert(0, folder)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+        args[r] = Path(args[r]).stem
     return ["run", *args]
 
 

@@ -1,5 +1,6 @@
 """``logitless ls`` / ``logitless cp`` / ``logitless run``'s name resolution, against the files in the repo."""
 
+import os
 import pathlib
 import re
 import subprocess
@@ -76,12 +77,19 @@ def test_cp_unknown_name_is_an_error_naming_it(tmp_path, capsys):
 
 def test_run_resolves_config_names_and_recipe_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
     (tmp_path / "my_recipe.py").write_text("")
     (tmp_path / "tiny_full.yaml").write_text("")  # an existing file wins over a bundled name
     argv = cli.tune_run_argv(["--nproc_per_node", "2", "./my_recipe.py", "--config", "tiny_grpo", "seed=1"])
     assert argv == ["run", "--nproc_per_node", "2", "my_recipe", "--config",
                     str(REPO / "components/logitless/configs/tiny_grpo.yaml"), "seed=1"]
+    assert sys.path[0] == str(tmp_path) and os.environ["PYTHONPATH"] == f"{tmp_path}{os.pathsep}elsewhere"
     assert cli.tune_run_argv(["grpo_single_device", "--config", "tiny_full.yaml"])[-1] == "tiny_full.yaml"
+    # overrides may come before --config; a torchrun option's value is not the recipe
+    assert cli.tune_run_argv(["--nnodes", "1", "grpo_single_device", "seed=2", "--config", "qwen_grpo"]) == [
+        "run", "--nnodes", "1", "grpo_single_device", "seed=2", "--config",
+        str(REPO / "components/logitless/configs/qwen_grpo.yaml")]
 
 
 def test_importing_a_recipe_prints_no_torchao_message():
