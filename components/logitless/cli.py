@@ -64,6 +64,8 @@ def _cp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     dest = Path(args.dest)
     if dest.is_dir():
         dest = dest / src.name
+    elif dest.suffix != src.suffix:  # as tune cp: a recipe must end in .py for tune run to import it
+        dest = dest.with_name(dest.name + src.suffix)
     if dest.exists() and not args.force:
         parser.error(f"cp: {dest} already exists; not overwriting it (pass --force to overwrite)")
     if not dest.parent.is_dir():

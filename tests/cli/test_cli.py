@@ -62,9 +62,11 @@ def test_cp_copies_identical_bytes_and_refuses_to_overwrite(tmp_path, capsys, na
     assert dest.read_bytes() == (REPO / source).read_bytes()
 
 
-def test_cp_into_a_folder_keeps_the_file_name(tmp_path):
+def test_cp_into_a_folder_keeps_the_file_name_and_adds_a_missing_suffix(tmp_path):
     assert cli.main(["cp", "tiny_full", str(tmp_path)]) == 0
     assert (tmp_path / "tiny_full.yaml").read_bytes() == (REPO / "configs/tiny_full.yaml").read_bytes()
+    assert cli.main(["cp", "grpo_single_device", str(tmp_path / "my_grpo")]) == 0
+    assert (tmp_path / "my_grpo.py").read_bytes() == (REPO / "recipes/grpo_single_device.py").read_bytes()
 
 
 def test_cp_unknown_name_is_an_error_naming_it(tmp_path, capsys):
