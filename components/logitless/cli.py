@@ -48,8 +48,12 @@ def _how_to_run(src_kind: str, name: str, dest: Path) -> str:
     folder = dest.parent.resolve()
     target = dest.name if folder == Path.cwd().resolve() else str(dest)
     # tune run takes a custom recipe as a module of the cwd: its file name, no folder, no './'
-    return (f"Run it from {folder}:  tune run {nproc}{dest.name} --config {registry.config_path(config)}\n"
-            f"or from anywhere:  logitless run {nproc}{target} --config {config}")
+    how = (f"Run it from {folder}:  tune run {nproc}{dest.name} --config {registry.config_path(config)}\n"
+           f"or from anywhere:  logitless run {nproc}{target} --config {config}")
+    if registry.get_recipe(dest.stem) is not None:
+        # tune run appends the cwd to sys.path: the installed module of that name would win
+        how += f"\nRename it first: tune run would import the installed recipe {dest.stem!r}, not this copy."
+    return how
 
 
 def _cp(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

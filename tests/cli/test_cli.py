@@ -16,17 +16,16 @@ CONFIG_FILES = sorted(REPO.glob("configs/*.yaml"))
 
 
 def ls_rows(capsys):
+    """(recipe, config) pairs of the ``logitless ls`` table (a blank recipe column repeats the last one)."""
     assert cli.main(["ls"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert table[0].split() == ["RECIPE", "CONFIG"]
     rows, recipe = [], None
-    for line in capsys.readouterr().out.splitlines()[1:]:
-        if not line.strip() or line.startswith(" " * 2) and not line.strip():
-            continue
-        if line.startswith("Run "):
-            break
+    for line in table[1:]:
         cols = line.split()
         if not line.startswith(" "):
             recipe = cols.pop(0)
-        rows.append((recipe, cols[0] if cols else None))
+        rows.append((recipe, cols[0]))
     return rows
 
 
