@@ -35,3 +35,14 @@ def test_every_tiny_config_points_at_existing_assets_from_any_folder(tmp_path, m
         cfg = OmegaConf.load(root / "configs" / f"{name}.yaml")
         assert pathlib.Path(cfg.checkpointer.checkpoint_dir).is_absolute(), name
         assert (pathlib.Path(cfg.checkpointer.checkpoint_dir) / "model.safetensors").is_file(), name
+
+
+def test_a_bad_asset_in_a_recipe_config_is_a_config_error_naming_the_key():
+    from logitless.training.config import ConfigError, Key, validate_config
+
+    cfg = OmegaConf.create({"checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                                             "checkpoint_dir": "${logitless_asset:data/qwen2_5_tinyy}",
+                                             "checkpoint_files": ["model.safetensors"], "model_type": "QWEN2",
+                                             "output_dir": "/tmp/x"}})
+    with pytest.raises(ConfigError, match=r"config key 'checkpointer.checkpoint_dir':.*'qwen2_5_tinyy'.*qwen2_5_tiny"):
+        validate_config(cfg, {"checkpointer": Key(component=True)})
