@@ -7,6 +7,8 @@ protocol. Everything else lives in :mod:`logitless.training` (see SFTRecipe).
 
 import sys
 
+# before torchtune: registers ${logitless_asset:...} and drops torchao's import-time cpp-extension notice
+import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 

@@ -9,6 +9,8 @@ cover the whole batch, so a run matches grpo_single_device on the same seed. Eve
 
 import sys
 
+# before torchtune: registers ${logitless_asset:...} and drops torchao's import-time cpp-extension notice
+import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 

@@ -9,6 +9,8 @@ grpo_distributed shares).
 
 import sys
 
+# before torchtune: registers ${logitless_asset:...} and drops torchao's import-time cpp-extension notice
+import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 

@@ -8,7 +8,16 @@ Example:
     >>> logitless.linear_cross_entropy(hidden, weight, labels).backward()
 """
 
-from logitless.ops import linear_cross_entropy, linear_log_probs
+# First, before anything imports torchao (through torchtune): drop its import-time cpp-extension notice.
+from logitless._quiet_torchao import quiet_torchao_cpp_extension_notice
+
+quiet_torchao_cpp_extension_notice()
+
+from logitless.resources import register_resolvers  # noqa: E402
+
+register_resolvers()  # ${logitless_asset:...} in configs, before any config is resolved
+
+from logitless.ops import linear_cross_entropy, linear_log_probs  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["linear_cross_entropy", "linear_log_probs", "__version__"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 from torchtune.data import PromptTemplate
 from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 from torchtune.models.qwen2_5._tokenizer import Qwen2_5Tokenizer
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+from logitless.resources import PACKAGE_DIR, package_asset
+
+ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
 TINY_TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 TINY_CHECKPOINT_DIR = ASSETS_DIR / "qwen2_5_tiny"
 TINY_ALPACA_FILES = {"train": ASSETS_DIR / "tiny_alpaca.json", "eval": ASSETS_DIR / "tiny_alpaca_eval.json"}
@@ -31,10 +32,7 @@ def asset_path(name: str) -> str:
         >>> asset_path("qwen2_5_tiny/config.json")
         '/.../logitless/data/assets/qwen2_5_tiny/config.json'
     """
-    p = ASSETS_DIR / name
-    if not p.exists():
-        raise FileNotFoundError(f"bundled asset {name!r} not found in {ASSETS_DIR}")
-    return str(p)
+    return package_asset(f"data/{name}")  # the lookup configs use as ${logitless_asset:data/NAME}
 
 
 def tiny_qwen2_5_tokenizer(

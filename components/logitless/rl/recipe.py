@@ -61,6 +61,7 @@ from logitless.training.nonfinite import NonFiniteGuard, check_finite_weights
 from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer, instantiate_dataset, model_limits
 from logitless.training.progress import ProgressBar, peak_memory_gib
 from logitless.training.resume import RESUME_KEYS, apply_optimizer_changes, start_run, validate_resume_config
+from logitless.training.threads import CPU_THREADS_KEY, apply_cpu_threads, check_cpu_threads
 
 GRPO_SCHEMA: Dict[str, Key] = {
     "output_dir": Key(str, doc="folder for checkpoints and logs"),
@@ -79,7 +80,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "seed": Key(int, default=0),
     "device": Key(str, default="auto"),
     "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
-    "cpu_threads": Key((int, None), default=None, min=1, doc="torch.set_num_threads on the CPU"),
+    "cpu_threads": CPU_THREADS_KEY,
     "max_steps": Key(int, min=1, doc="GRPO steps (one generation batch each)"),
     "prompts_per_step": Key(int, min=1),
     "num_generations": Key(int, min=2, doc="completions per prompt (G); >= 2 to form a group"),
@@ -156,6 +157,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
         raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
     check_generation(gen)
     check_device(cfg.device, available=False)  # GRPORecipe checks that it exists here
+    check_cpu_threads(cfg.cpu_threads)
     check_optimizer(cfg.optimizer)
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
@@ -218,9 +220,8 @@ class GRPORecipe:
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> Optional[Dict[str, Any]]:
         cfg = self.cfg
+        apply_cpu_threads(cfg.cpu_threads, cfg.device)
         self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
-        if cfg.cpu_threads is not None:
-            torch.set_num_threads(cfg.cpu_threads)
         self.device = self.runtime.device
         self.flex_ok = flex_available(self.device)
         self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)

@@ -21,6 +21,7 @@ One concern per module:
 - :mod:`~logitless.training.metric_logging`: torchtune metric loggers (DiskLogger by default).
 - :mod:`~logitless.training.sft`: :class:`SFTObjective` (forward + label shift + loss protocol).
 - :mod:`~logitless.training.sft_recipe`: :class:`SFTRecipe`, the body of the three SFT recipes.
+- :mod:`~logitless.training.threads`: ``cpu_threads`` (torch's CPU threads per recipe process, ``auto`` by default).
 """
 
 from logitless.training.checkpoint import (CheckpointManager, complete_checkpoints, rng_state, set_rng_state,

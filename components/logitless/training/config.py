@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 _MISSING = object()
 
@@ -216,6 +217,7 @@ def validate_config(
     """
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"config: expected a DictConfig, got {type(cfg).__name__}")
+    _check_interpolations(cfg)
     allowed = set(schema) | set(extra_allowed)
     for k in cfg.keys():
         if k not in allowed:
@@ -236,6 +238,15 @@ def validate_config(
         if spec.component and value is not None:
             _check_component(k, value, spec.positional, spec.supplied, check_files=k not in skip)
     return cfg
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    # every ${...} must resolve (e.g. ${logitless_asset:NAME} to a bundled file) before anything reads it
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        reason = str(getattr(e, "msg", e)).split("\n    full_key:")[0]  # omegaconf appends the key again
+        raise ConfigError(f"config key '{e.full_key}': cannot be resolved ({reason})") from None
 
 
 class _open_struct:

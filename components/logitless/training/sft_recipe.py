@@ -35,6 +35,7 @@ from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.resume import RESUME_KEYS, apply_optimizer_changes, start_run, validate_resume_config
 from logitless.training.sft import SFTObjective
 from logitless.training.step import TrainStep
+from logitless.training.threads import CPU_THREADS_KEY, apply_cpu_threads, check_cpu_threads
 
 SFT_SCHEMA: Dict[str, Key] = {
     "output_dir": Key(str, doc="folder for checkpoints and logs"),
@@ -63,6 +64,7 @@ SFT_SCHEMA: Dict[str, Key] = {
                                              "after this many in a row (null: never)"),
     "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
     "device": Key(str, default="auto", doc="'auto' (cuda if available), 'cpu', 'cuda'"),
+    "cpu_threads": CPU_THREADS_KEY,
     "enable_activation_checkpointing": Key(bool, default=False),
     "compile": Key(bool, default=False),
     "log_every_n_steps": Key(int, default=1, min=1),
@@ -124,6 +126,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
     check_optimizer(cfg.optimizer)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
+    check_cpu_threads(cfg.cpu_threads)
     return cfg
 
 
@@ -270,6 +273,7 @@ class SFTRecipe:
     def run(self) -> List[float]:
         """Trains; returns the loss of every optimizer step this process ran."""
         cfg = self.cfg
+        apply_cpu_threads(cfg.cpu_threads, cfg.device)
         self._setup_runtime()
         self._setup_dataset()  # config and data checks first: a run that fails them claims no folder
         # output_dir ownership, verified checkpoint, config changes: decided before the model is built
