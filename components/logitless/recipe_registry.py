@@ -17,7 +17,7 @@ from logitless.resources import CONFIGS_DIR
 
 _FULL = ("tiny_full", "qwen2_5_0_5b_full", "qwen2_5_1_5b_full", "qwen2_5_7b_full")
 _LORA = ("tiny_lora", "qwen2_5_0_5b_lora", "qwen2_5_1_5b_lora", "qwen2_5_7b_lora")
-_GRPO = ("tiny_grpo", "qwen_grpo")
+_GRPO = ("tiny_grpo", "tiny_grpo_chat", "qwen_grpo", "qwen_math_grpo")
 
 
 @dataclass(frozen=True)
