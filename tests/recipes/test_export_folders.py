@@ -19,17 +19,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture
-def peft_usable():
-    """peft >= 0.19 refuses to build LoRA layers next to torchao < 0.16 (torchtune 0.6.1's); the dev
-    extra pins peft < 0.19, an environment with a newer one skips (naming why) instead of erroring."""
-    from peft.import_utils import is_torchao_available
-
-    try:
-        is_torchao_available()
-    except ImportError as e:
-        pytest.skip(f"peft {peft.__version__} cannot run here: {e}")
-
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FAST = dict(max_steps=3, batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=None,
             lr_scheduler__num_warmup_steps=1)

@@ -21,17 +21,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture
-def peft_usable():
-    """peft >= 0.19 refuses to build LoRA layers next to torchao < 0.16 (torchtune 0.6.1's); the dev
-    extra pins peft < 0.19, an environment with a newer one skips (naming why) instead of erroring."""
-    from peft.import_utils import is_torchao_available
-
-    try:
-        is_torchao_available()
-    except ImportError as e:
-        pytest.skip(f"peft {peft.__version__} cannot run here: {e}")
-
 MODEL = dict(_component_="logitless.models.lora_qwen2_5_tiny", lora_attn_modules=["q_proj", "k_proj", "v_proj",
              "output_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8.0)
 

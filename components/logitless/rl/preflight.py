@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset
 
 from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
 from logitless.training.config import ConfigError
-from logitless.training.preflight import ON_TOO_LONG
+from logitless.training.preflight import ON_TOO_LONG, RowSubset
 
 
 def _is_int(v: Any) -> bool:
@@ -128,7 +127,7 @@ class PromptReport:
                 f"on_too_long={self.action!r}{own}")
 
 
-class PromptSubset(Dataset):
+class PromptSubset(RowSubset):
     """The prompts ``indices`` of a prompt dataset, each cut from the left to ``max_len`` tokens.
 
     Args:
@@ -138,15 +137,8 @@ class PromptSubset(Dataset):
             generation header are).
     """
 
-    def __init__(self, dataset: Any, indices: Sequence[int], max_len: Optional[int] = None):
-        self.dataset, self.indices, self.max_len = dataset, list(indices), max_len
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> Dict[str, Any]:
-        row = self.dataset[self.indices[i]]
-        if self.max_len is None or len(row["prompt_tokens"]) <= self.max_len:
+    def cut(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        if len(row["prompt_tokens"]) <= self.max_len:
             return row
         return {**row, "prompt_tokens": list(row["prompt_tokens"])[-self.max_len:]}
 

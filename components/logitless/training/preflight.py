@@ -233,8 +233,10 @@ class RowSubset(Dataset):
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
         row = self.dataset[self.indices[i]]
-        if self.max_len is None:
-            return row
+        return row if self.max_len is None else self.cut(row)
+
+    def cut(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        """``row`` cut to ``max_len`` tokens (a subclass cuts other fields)."""
         return {**row, **{k: row[k][:self.max_len] for k in ("tokens", "labels") if k in row}}
 
 
