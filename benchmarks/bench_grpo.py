@@ -9,7 +9,7 @@ step, and the peak CUDA memory of the step (weights and optimizer state included
 
 - ``chunked``: ``logitless.linear_log_probs(impl="chunked")`` (bounded memory, PyTorch)
 - ``triton``:  ``impl="triton"`` (the fused kernels)
-- ``full_logits``: ``impl="torch"``, the plain path that materialises the ``[N, V]`` logits, as
+- ``full_logits``: ``impl="reference"``, the plain path that materialises the ``[N, V]`` logits, as
   TRL and most RL libraries do
 - ``chunked+prompt_once`` / ``triton+prompt_once`` (``+prompt_once_flex``: FlexAttention block mask,
   CUDA only): the same heads with each group packed as
@@ -61,7 +61,7 @@ from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
 
-IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "torch", "no_head": "no_head"}
+IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "reference", "no_head": "no_head"}
 SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex")}
 
 

@@ -73,7 +73,7 @@ def reference_loss(hidden, weight, labels, adv, old, ref, *, loss_type, eps_lo=0
     return sum(all_terms, zero) / max(count if total_tokens is None else total_tokens, 1)
 
 
-def run_both(loss_kwargs, ref_kwargs, call_kwargs=None, seed=0, impl="torch"):
+def run_both(loss_kwargs, ref_kwargs, call_kwargs=None, seed=0, impl="reference"):
     hidden, weight, labels, adv, old, ref = make_inputs(seed)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -93,7 +93,7 @@ def assert_close(got, want, grads_got, grads_want, tol=1e-5):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("impl", ["torch", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
 def test_loss_types_match_reference(loss_type, impl):
     kw = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, max_completion_length=6)
     got, want, gg, gw, _ = run_both(kw, dict(loss_type=loss_type, max_len=6), impl=impl)
@@ -111,7 +111,7 @@ def test_kl_entropy_and_sequence_level(loss_type):
 
 def test_kl_metric_is_mean_k3():
     hidden, weight, labels, adv, old, ref = make_inputs(1)
-    fn = GRPOLoss(beta=0.5, temperature=T, impl="torch")
+    fn = GRPOLoss(beta=0.5, temperature=T, impl="reference")
     _, metrics = fn(HeadInput(hidden, weight), labels, adv, old_log_probs=old, ref_log_probs=ref)
     logsm = torch.log_softmax(hidden @ weight.T / T, -1)
     vals = []
@@ -124,7 +124,7 @@ def test_kl_metric_is_mean_k3():
 def test_clip_fractions_and_clipped_gradient():
     """Tokens whose ratio lies outside the clip range on the advantage's side get no gradient."""
     hidden, weight, labels, _, _, _ = make_inputs(2)
-    fn = GRPOLoss(epsilon=0.2, epsilon_high=0.2, temperature=T, impl="torch", loss_type="dapo")
+    fn = GRPOLoss(epsilon=0.2, epsilon_high=0.2, temperature=T, impl="reference", loss_type="dapo")
     logp = fn.log_probs(HeadInput(hidden, weight), labels)
     mask = labels != IGN
     # ratios: row 0 -> 1.5 (A>0: clipped high), row 1 -> 0.5 (A<0: clipped low), rows 2, 3 -> 1.1 (inside)
@@ -148,7 +148,7 @@ def test_clip_fractions_and_clipped_gradient():
 def test_ratio_one_gives_policy_gradient():
     """Without old log-probs (num_iterations == 1) the gradient is -A * grad(logp) / tokens."""
     hidden, weight, labels, adv, _, _ = make_inputs(3)
-    fn = GRPOLoss(temperature=T, impl="torch", loss_type="dapo")
+    fn = GRPOLoss(temperature=T, impl="reference", loss_type="dapo")
     h = hidden.clone().requires_grad_()
     loss, metrics = fn(HeadInput(h, weight), labels, adv)
     loss.backward()
@@ -175,7 +175,7 @@ def test_truncated_completions_masked():
 def test_micro_batches_add_up_to_the_full_batch(loss_type):
     """Summing the micro-batch losses (with the batch totals passed in) gives the loss the recipe means."""
     hidden, weight, labels, adv, old, ref = make_inputs(4)
-    fn = GRPOLoss(temperature=T, impl="torch", loss_type=loss_type, max_completion_length=6, epsilon_high=0.28)
+    fn = GRPOLoss(temperature=T, impl="reference", loss_type=loss_type, max_completion_length=6, epsilon_high=0.28)
     total_tokens = fn.num_loss_tokens(labels)
     parts = []
     for rows in (slice(0, 2), slice(2, 4)):
@@ -192,7 +192,7 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type):
 
 def test_dapo_counts_tokens_of_the_whole_accumulated_batch():
     hidden, weight, labels, adv, old, ref = make_inputs(5)
-    fn = GRPOLoss(temperature=T, impl="torch", loss_type="dapo")
+    fn = GRPOLoss(temperature=T, impl="reference", loss_type="dapo")
     full, _ = fn(HeadInput(hidden, weight), labels, adv, old_log_probs=old)
     part, _ = fn(HeadInput(hidden[:1], weight), labels[:1], adv[:1], old_log_probs=old[:1],
                  total_tokens=fn.num_loss_tokens(labels))
@@ -206,7 +206,7 @@ def test_no_completion_tokens_gives_zero_loss_and_grads():
     labels = torch.full_like(labels, IGN)
     h = hidden.clone().requires_grad_()
     for lt in ("grpo", "bnpo", "dapo"):
-        loss, _ = GRPOLoss(temperature=T, impl="torch", loss_type=lt)(HeadInput(h, weight), labels, adv)
+        loss, _ = GRPOLoss(temperature=T, impl="reference", loss_type=lt)(HeadInput(h, weight), labels, adv)
         loss.backward()
         assert float(loss) == 0 and torch.isfinite(h.grad).all() and h.grad.abs().max() == 0
 
@@ -227,7 +227,7 @@ def test_bad_constructor_arguments(kwargs, match):
 
 def test_bad_call_arguments():
     hidden, weight, labels, adv, old, _ = make_inputs(7)
-    fn = GRPOLoss(temperature=T, impl="torch")
+    fn = GRPOLoss(temperature=T, impl="reference")
     head = HeadInput(hidden, weight)
     with pytest.raises(ValueError, match="advantages must have shape"):
         fn(head, labels, adv[:3])
@@ -238,7 +238,7 @@ def test_bad_call_arguments():
     with pytest.raises(ValueError, match="truncated must have shape"):
         fn(head, labels, adv, truncated=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="ref_log_probs"):
-        GRPOLoss(beta=0.1, temperature=T, impl="torch")(head, labels, adv)
+        GRPOLoss(beta=0.1, temperature=T, impl="reference")(head, labels, adv)
     with pytest.raises(ValueError, match="HeadInput"):
         fn(hidden @ weight.T, labels, adv)
 

@@ -48,7 +48,7 @@ CASES = [(lt, False, "token") for lt in ("grpo", "bnpo", "dr_grpo", "dapo")] + \
 
 
 @pytest.mark.parametrize("loss_type,fused,level", CASES)
-@pytest.mark.parametrize("impl", ["torch", "chunked"])
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
 @pytest.mark.parametrize("fill", FILLS, ids=["-inf", "-1e4", "nan", "inf"])
 def test_masked_old_ref_and_advantages_do_not_matter(loss_type, fused, level, impl, fill):
     hidden, weight, labels, adv, old, ref, truncated = _inputs()
@@ -58,7 +58,7 @@ def test_masked_old_ref_and_advantages_do_not_matter(loss_type, fused, level, im
     mask = fn.loss_mask(labels, truncated)
     assert (~mask).any() and (mask & truncated[:, None]).sum() == 0 and (labels[1] != IGN).any()
     dirty = [torch.where(mask, t, torch.full_like(t, fill)) for t in (adv, old, ref)]
-    dtype = torch.float64 if impl == "torch" else torch.float32
+    dtype = torch.float64 if impl == "reference" else torch.float32
     want = _call(fn, hidden, weight, labels, adv, old, ref, truncated, dtype)
     got = _call(fn, hidden, weight, labels, *dirty, truncated, dtype)
     assert math.isfinite(float(want[0])) and abs(float(want[0])) > 1e-4
@@ -83,7 +83,7 @@ def test_sequence_advantage_of_a_fully_masked_completion_does_not_matter(fused):
 
 def test_non_finite_values_inside_the_mask_are_still_an_error():
     hidden, weight, labels, adv, old, ref, truncated = _inputs(2)
-    fn = GRPOLoss(temperature=T, impl="torch")
+    fn = GRPOLoss(temperature=T, impl="reference")
     bad = adv.clone()
     bad[0, 3] = float("nan")  # row 0, position 3: a completion token
     with pytest.raises(ValueError, match=r"advantages.*NaN or inf.*1 position"):

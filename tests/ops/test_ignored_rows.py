@@ -17,7 +17,7 @@ DEV = "cuda" if _CUDA else "cpu"
 
 
 def _impls():
-    impls = ["torch", "chunked"]
+    impls = ["reference", "chunked"]
     try:
         import triton  # noqa: F401
 

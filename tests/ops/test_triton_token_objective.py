@@ -131,9 +131,9 @@ def test_public_dispatcher_shapes_and_no_grad():
     def objective64(lp, ent, rows):
         return _policy_terms(lp, ent, {k: c.to(DEV)[rows] for k, c in consts.items()}, 0.02)
 
-    # impl="torch": the float64 reference log-probs and the objective through plain autograd
+    # impl="reference": the float64 reference log-probs and the objective through plain autograd
     want, want_lp, want_ent = logitless.ops.linear_token_objective(
-        h3.double(), w.double(), y2, objective64, need_entropy=True, impl="torch", temperature=0.9,
+        h3.double(), w.double(), y2, objective64, need_entropy=True, impl="reference", temperature=0.9,
     )
     assert want.dtype == torch.float64 and want_lp.shape == (2, 9)
     with torch.no_grad():  # forward-only slab pass: value, logp, entropy

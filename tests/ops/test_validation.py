@@ -109,7 +109,7 @@ def test_temperature_bounds_are_inclusive(entry, temperature):
     assert torch.isfinite(value).all()
 
 
-@pytest.mark.parametrize("impl", ["chunked", "torch"])
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
 def test_zero_tokens_are_legitimate(impl):
     # N = 0 is an empty micro-batch (e.g. a rank's share of padding): no error, no token contributes.
     h = torch.randn(0, H, requires_grad=True)
@@ -157,3 +157,21 @@ def test_triton_entries_check_shapes_and_temperature():
     with pytest.raises(ValueError, match=r"temperature must be a finite number"):
         T.linear_token_objective(h, w, y, lambda lp, e, r: lp.sum(), ignore_index=-100, temperature=1e-30,
                                  need_entropy=False)
+
+
+def test_deprecated_impl_torch_warns_and_is_the_reference_impl():
+    from logitless.losses import LinearCrossEntropyLoss
+
+    # "torch" was the name of the plain-PyTorch impl (ops/reference.py); it still runs that code.
+    torch.manual_seed(0)
+    h, w = torch.randn(6, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64)
+    y = torch.randint(0, V, (6,))
+    with pytest.warns(FutureWarning, match=r"impl='torch' is deprecated; use impl='reference'"):
+        old = logitless.linear_cross_entropy(h, w, y, impl="torch")
+    want = torch.nn.functional.cross_entropy(h @ w.T, y)
+    assert torch.allclose(old, want, rtol=1e-12)
+    assert torch.allclose(logitless.linear_cross_entropy(h, w, y, impl="reference"), want, rtol=1e-12)
+    with pytest.warns(FutureWarning, match="impl='torch' is deprecated"):
+        LinearCrossEntropyLoss(impl="torch")
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'chunked', 'reference'\), got 'pytorch'"):
+        logitless.linear_cross_entropy(h, w, y, impl="pytorch")

@@ -158,7 +158,7 @@ def training_log_probs(model, rollout, temperature):
             labels = torch.full_like(seq, -100)
             labels[0, len(prompt) - 1:-1] = comp  # position t predicts token t + 1
             logp, _ = logitless.linear_log_probs(hidden, weight, labels, temperature=temperature,
-                                                 return_entropy=False, impl="torch")
+                                                 return_entropy=False, impl="reference")
             result[i, :len(comp)] = logp[0, len(prompt) - 1:-1]
     return result
 

@@ -84,7 +84,7 @@ class LinearCrossEntropyLoss(HeadLoss):
     """Cross-entropy fused with the output projection (``loss._component_`` for the fused head).
 
     Args:
-        impl (str): ``"auto"`` (Triton on CUDA, chunked on CPU), ``"triton"``, ``"chunked"``, ``"torch"``.
+        impl (str): ``"auto"`` (Triton on CUDA, chunked on CPU), ``"triton"``, ``"chunked"``, ``"reference"``.
         ignore_index (int): label without loss. Default -100.
         reduction (str): ``"mean"`` over non-ignored tokens or ``"sum"``. Default ``"mean"``.
         temperature (float): divides the logits. Default 1.0.
@@ -111,7 +111,7 @@ class LinearCrossEntropyLoss(HeadLoss):
     ):
         super().__init__()
         del num_output_chunks  # see the docstring: config compatibility only
-        _validate.check_impl(impl)
+        impl = _validate.canonical_impl(impl)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         _validate.check_temperature(temperature)

@@ -39,7 +39,7 @@ class EntropyWithChunkedOutputLoss(HeadLoss):
     ):
         super().__init__()
         _validate.check_temperature(temperature)
-        _validate.check_impl(impl)
+        impl = _validate.canonical_impl(impl)
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
         self.temperature, self.impl, self.chunk_size = temperature, impl, chunk_size
 

@@ -70,7 +70,7 @@ class GRPOLoss(HeadLoss):
         max_completion_length (Optional[int]): the normaliser of ``dr_grpo`` (required for it).
         temperature (float): the sampling temperature; divides the logits in every pass.
         impl (str): head implementation for ``logitless.linear_log_probs``
-            (``"auto" | "triton" | "chunked" | "torch"``).
+            (``"auto" | "triton" | "chunked" | "reference"``).
         ignore_index (int): label of positions without loss. Default -100.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
         fused (Optional[bool]): compute the head's gradients in the forward through
@@ -80,7 +80,7 @@ class GRPOLoss(HeadLoss):
             ``importance_sampling_level="sequence"`` is a ValueError.
 
     Example:
-        >>> loss_fn = GRPOLoss(beta=0.0, loss_type="dapo", temperature=1.0, impl="torch")
+        >>> loss_fn = GRPOLoss(beta=0.0, loss_type="dapo", temperature=1.0, impl="reference")
         >>> hidden, weight = torch.randn(2, 4, 8, requires_grad=True), torch.randn(11, 8)
         >>> labels = torch.tensor([[-100, 3, 4, -100], [-100, 5, -100, -100]])
         >>> loss, metrics = loss_fn(HeadInput(hidden, weight), labels, torch.tensor([1.0, -1.0]))
@@ -129,7 +129,7 @@ class GRPOLoss(HeadLoss):
                 "not known from its own log-prob; use fused=False or None"
             )
         _validate.check_temperature(temperature)
-        _validate.check_impl(impl)
+        impl = _validate.canonical_impl(impl)
         _validate.check_chunk_size(chunk_size)
         self.epsilon, self.epsilon_high, self.beta = float(epsilon), float(epsilon_high), float(beta)
         self.loss_type, self.entropy_coef = loss_type, float(entropy_coef)

@@ -19,7 +19,7 @@ class TokenLogProbs(HeadLoss):
     Args:
         temperature (float): divides the logits before the softmax. Default 1.0.
         return_entropy (bool): also return the entropy. Default True.
-        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"``. Default ``"auto"``.
+        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``. Default ``"auto"``.
         ignore_index (int): label of positions to skip. Default -100.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
 
@@ -39,7 +39,7 @@ class TokenLogProbs(HeadLoss):
     ):
         super().__init__()
         _validate.check_temperature(temperature)
-        _validate.check_impl(impl)
+        impl = _validate.canonical_impl(impl)
         self.temperature, self.return_entropy, self.impl = temperature, return_entropy, impl
         self.ignore_index, self.chunk_size = ignore_index, chunk_size
 

@@ -13,13 +13,13 @@ Saved for backward in either regime: ``hidden``, ``weight`` (which autograd hold
 ``O(N)`` floats, or the gradients themselves -- never ``O(N x V)``.
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
 from logitless.ops import _validate
 from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
+from logitless.settings import settings
 
 # Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
@@ -112,7 +112,7 @@ def _ce_epilogue_for(hidden: torch.Tensor):
     Row counts vary with the tail chunk and the batch, hence ``dynamic=True``.
     """
     global _COMPILED_CE_EPILOGUE
-    if not hidden.is_cuda or os.environ.get("LOGITLESS_CHUNKED_COMPILE", "1") == "0":
+    if not hidden.is_cuda or not settings.chunked_compile:
         return _ce_epilogue_eager
     if _COMPILED_CE_EPILOGUE is None:
         _COMPILED_CE_EPILOGUE = torch.compile(_ce_epilogue_fusible, dynamic=True)

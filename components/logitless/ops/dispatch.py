@@ -20,14 +20,15 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     ``"triton"`` on a CPU tensor is an error unless ``TRITON_INTERPRET=1`` (how CI runs the kernels).
 
     Args:
-        impl (str): ``"auto" | "triton" | "chunked" | "torch"``.
+        impl (str): ``"auto" | "triton" | "chunked" | "reference"`` (``"reference"``: the deprecated
+            name of ``"reference"``).
         device (torch.device): where the inputs live.
         dtype (torch.dtype): the inputs' dtype.
 
     Returns:
-        str: ``"triton" | "chunked" | "torch"``.
+        str: ``"triton" | "chunked" | "reference"``.
     """
-    _validate.check_impl(impl)
+    impl = _validate.canonical_impl(impl)
     if impl == "auto":
         return "triton" if device.type == "cuda" and dtype != torch.float64 else "chunked"
     if impl == "triton" and device.type != "cuda" and not _interpreting():
@@ -66,7 +67,7 @@ def linear_cross_entropy(
         reduction (str): ``"mean"`` over non-ignored tokens (0.0 with zero gradients when there are
             none), ``"sum"``, or ``"none"`` (fp32 per-token loss of ``labels.shape``, 0 at ignored).
         temperature (float): divides the logits before the softmax. Default 1.0.
-        impl (str): ``"auto"`` (triton on CUDA, else chunked), ``"triton"``, ``"chunked"``, ``"torch"``.
+        impl (str): ``"auto"`` (triton on CUDA, else chunked), ``"triton"``, ``"chunked"``, ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"`` (default: a 1 GiB budget).
 
     Returns:
@@ -86,7 +87,7 @@ def linear_cross_entropy(
     _validate.check_chunk_size(chunk_size)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
-    if impl == "torch":
+    if impl == "reference":
         return reference.cross_entropy(
             hidden, weight, labels, ignore_index=ignore_index, reduction=reduction,
             temperature=temperature, n_valid=n_valid,
@@ -128,7 +129,7 @@ def linear_log_probs(
         ignore_index (int): positions with this label get 0 and no gradient. Default -100.
         temperature (float): divides the logits (use the sampling temperature in RL). Default 1.0.
         return_entropy (bool): also return the entropy; ``None`` otherwise. Default True.
-        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"``.
+        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
 
     Returns:
@@ -143,7 +144,7 @@ def linear_log_probs(
     _validate.check_chunk_size(chunk_size)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
-    if impl == "torch":
+    if impl == "reference":
         return reference.log_probs(
             hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
             return_entropy=return_entropy, n_valid=n_valid,
@@ -193,13 +194,13 @@ def linear_token_objective(
         token_objective (Callable): ``f(logp, ent, rows) -> scalar tensor``: ``rows`` a 1-D int64
             tensor of indices into the flattened ``labels`` (``labels.reshape(-1)``), non-ignored
             rows only, each row in exactly one call; ``logp``/``ent`` their log-probs and
-            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"torch"`` impl on float64
+            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` impl on float64
             inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
             constants are gathered as ``const.reshape(-1)[rows]``.
         ignore_index (int): rows with this label have no term. Default -100.
         temperature (float): divides the logits. Default 1.0.
         need_entropy (bool): compute the entropy and pass it to the objective. Default False.
-        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"torch"`` (reference log-probs and
+        impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"`` (reference log-probs and
             the objective through plain autograd).
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
 
@@ -226,7 +227,7 @@ def linear_token_objective(
     _validate.check_chunk_size(chunk_size)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
-    if impl == "torch":
+    if impl == "reference":
         logp, ent = reference.log_probs(
             hidden, weight, labels, ignore_index=ignore_index, temperature=temperature,
             return_entropy=need_entropy, n_valid=n_valid,

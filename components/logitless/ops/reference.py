@@ -1,4 +1,4 @@
-"""Plain-PyTorch head ops: the test oracle and the ``impl="torch"`` fallback.
+"""Plain-PyTorch head ops: the test oracle and the ``impl="reference"`` fallback.
 
 They materialise the full ``(N, V)`` logits, exactly as a user's own code would: ``hidden @ weight.T``
 in the inputs' dtype, then upcast to float32 (or kept in float64 for float64 inputs) before the

@@ -15,10 +15,11 @@ import os
 import sys
 from typing import Any, Callable, TypeVar
 
+from logitless.settings import KNOBS, settings
 from logitless.training.config import ConfigError
 
 #: Environment variable that turns the one-line error back into the raised exception.
-DEBUG_ENV = "LOGITLESS_DEBUG"
+DEBUG_ENV = KNOBS["debug"].env
 #: Exit status of a run stopped by a ConfigError (as argparse exits on a usage error).
 CONFIG_ERROR_EXIT_CODE = 2
 
@@ -27,7 +28,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def debug_enabled() -> bool:
     """True when ``LOGITLESS_DEBUG`` is set to anything but empty, ``0``, ``false`` or ``no``."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return settings.debug
 
 
 def report_errors(fn: F) -> F:

@@ -15,7 +15,7 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
   frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
-  chunk). Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``, not yet measured on a GPU): the first
+  chunk). Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
   block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
   (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
   dW once, so fewer chunks follow (7B head, 8192 rows: 1 + 6 instead of 11). Otherwise the
@@ -42,29 +42,31 @@ import torch
 
 from logitless.ops._rows import zero_ignored_rows
 from logitless.ops.triton import kernels
+from logitless.settings import settings
 
-_ENV = os.environ.get
+# Sizes and tile widths are read once, here (they size buffers); see logitless.settings for each
+# knob's environment variable and what it trades.
 #: Bytes of the reused logits buffer when gradients are computed (training).
-WORKSPACE_BYTES = int(_ENV("LOGITLESS_TRITON_WORKSPACE_MB", "224")) << 20
+WORKSPACE_BYTES = settings.triton_workspace_mb << 20
 #: Bytes of the reused logits buffer for forward-only calls (no gradient).
-FORWARD_WORKSPACE_BYTES = int(_ENV("LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", "80")) << 20
+FORWARD_WORKSPACE_BYTES = settings.triton_forward_workspace_mb << 20
 #: Cross-entropy with a scalar upstream uses the one-pass, 3-GEMM path when the valid rows fit in
 #: at most this many row chunks (dW is rounded once per chunk), else the 2-pass, 4-GEMM path.
-FUSED_MAX_CHUNKS = int(_ENV("LOGITLESS_TRITON_FUSED_MAX_CHUNKS", "8"))
+FUSED_MAX_CHUNKS = settings.triton_fused_max_chunks
 #: One-pass CE: keep the first block's logits in dW's still-unwritten buffer (``cached_block_rows``).
-#: Opt-in: tested against float64 in the CPU interpreter, not yet measured on a GPU (the
-#: transposed-tile kernels were written after this session's device time ran out).
-CACHE_FIRST_BLOCK = _ENV("LOGITLESS_TRITON_CACHE_FIRST_BLOCK", "0") == "1"
+#: Opt-in: tested against float64 in the CPU interpreter; the default stays off until it is
+#: measured faster on a GPU.
+CACHE_FIRST_BLOCK = settings.triton_cache_first_block
 #: Forward-only tiles: at most this many rows per block, V slabs at least this wide.
 MAX_BLOCK_ROWS = 4096
 MIN_SLAB = 2048
 #: Columns per program iteration in the epilogue kernels (the CPU interpreter uses a small one).
-BLOCK_V = 64 if _ENV("TRITON_INTERPRET", "0") == "1" else int(_ENV("LOGITLESS_TRITON_BLOCK_V", "4096"))
+BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET", "0") == "1" else settings.triton_block_v
 #: Load the next column block before reducing the current one in the row-statistics kernel.
-PREFETCH = _ENV("LOGITLESS_TRITON_PREFETCH", "1") == "1"
+PREFETCH = settings.triton_prefetch
 #: Programs per SM targeted by the epilogue grids (rows x column splits).
-PROGRAMS_PER_SM = int(_ENV("LOGITLESS_TRITON_PROGRAMS_PER_SM", "8"))
-_NUM_WARPS = int(_ENV("LOGITLESS_TRITON_NUM_WARPS", "4"))
+PROGRAMS_PER_SM = settings.triton_programs_per_sm
+_NUM_WARPS = settings.triton_num_warps
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
@@ -141,7 +143,7 @@ def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Op
     Returns:
         Optional[torch.Tensor]: int64 indices, or ``None`` when no compaction is done.
     """
-    if os.environ.get("LOGITLESS_TRITON_COMPACT", "1") == "0":
+    if not settings.triton_compact:
         return None
     if labels.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
@@ -483,7 +485,7 @@ def cached_block_rows(rows: int, n_c: int, hid: int, need_dw: bool) -> int:
 
 
 #: 2-D blocks of the transposed-tile kernels (the CPU interpreter uses small ones).
-T_BLOCK_S, T_BLOCK_R = (8, 8) if _ENV("TRITON_INTERPRET", "0") == "1" else (64, 64)
+T_BLOCK_S, T_BLOCK_R = (8, 8) if os.environ.get("TRITON_INTERPRET", "0") == "1" else (64, 64)
 #: V rows per GEMM of the cached block's statistics pass (its logits go straight into dW's buffer).
 CACHED_SLAB = 8192
 

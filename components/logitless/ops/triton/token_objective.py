@@ -211,7 +211,7 @@ def linear_token_objective(hidden2d: torch.Tensor, weight: torch.Tensor, labels1
         ...                                        need_entropy=False)
         >>> loss.backward()
     """
-    from logitless.ops.triton import _check, _prep
+    from logitless.ops.triton.functional import _check, _prep
 
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)

@@ -1,0 +1,193 @@
+"""Every ``LOGITLESS_*`` environment knob in one place: its default, its type and what it trades.
+
+The knobs tune how the kernels spend memory and time; none changes what a loss computes beyond
+float rounding. Each one is read from the environment when it is used (so a test or a launcher can
+set it), falls back to its default, and a value that does not parse stops with an error naming the
+variable, the value and what was expected. :func:`describe` renders the table that
+docs/CONTRACT.md lists.
+
+Workspace sizes and tile widths are read once, when :mod:`logitless.ops.triton.head` is imported
+(they size buffers); the switches (``chunked_compile``, ``triton_compact``, ``debug``) are read at
+every call.
+
+Example:
+    >>> from logitless.settings import settings
+    >>> settings.triton_workspace_mb
+    224
+    >>> with settings.override(triton_compact=False):
+    ...     assert settings.triton_compact is False
+"""
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List
+
+__all__ = ["Knob", "KNOBS", "Settings", "settings", "describe"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {_TRUE + _FALSE[1:]}")
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a positive integer") from None
+    if value < 1:
+        raise ValueError("expected a positive integer")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError("expected an integer >= 0") from None
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment knob.
+
+    Attributes:
+        env (str): the environment variable.
+        default (Any): the value when it is unset.
+        parse (Callable[[str], Any]): text -> value; raises ``ValueError`` saying what it expects.
+        doc (str): what it does and what it trades.
+    """
+
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+KNOBS: Dict[str, Knob] = {
+    "debug": Knob(
+        "LOGITLESS_DEBUG", False, lambda raw: raw.strip().lower() not in _FALSE,
+        "Recipes print the full traceback of a configuration error instead of one line (exit 2)."),
+    "chunked_compile": Knob(
+        "LOGITLESS_CHUNKED_COMPILE", True, _flag,
+        "impl='chunked' on CUDA compiles its per-chunk softmax/gradient epilogue (torch.compile, "
+        "dynamic shapes): about a dozen fewer memory passes per chunk, one compile per process."),
+    "triton_workspace_mb": Knob(
+        "LOGITLESS_TRITON_WORKSPACE_MB", 224, _positive_int,
+        "MiB of the reused logits buffer of the fused head when gradients are computed: larger "
+        "chunks (fewer dW roundings, fewer launches) for more peak memory."),
+    "triton_forward_workspace_mb": Knob(
+        "LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", 80, _positive_int,
+        "MiB of the logits tiles of forward-only calls (no gradient): larger tiles for more peak memory."),
+    "triton_fused_max_chunks": Knob(
+        "LOGITLESS_TRITON_FUSED_MAX_CHUNKS", 8, _non_negative_int,
+        "Cross-entropy and token objectives take the one-pass 3-GEMM path while the valid rows fit "
+        "in at most this many chunks; above it the 4-GEMM path, whose dW is rounded once per row "
+        "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
+    "triton_cache_first_block": Knob(
+        "LOGITLESS_TRITON_CACHE_FIRST_BLOCK", False, _flag,
+        "One-pass CE keeps its first row block's logits in dW's still-unwritten buffer: fewer "
+        "chunks follow, no extra memory; off by default until it is measured faster on a GPU."),
+    "triton_compact": Knob(
+        "LOGITLESS_TRITON_COMPACT", True, _flag,
+        "Ignored rows are dropped before the head's GEMMs: less work per ignored token, at the cost "
+        "of one device-to-host sync for their count (skipped automatically under CUDA-graph capture)."),
+    "triton_block_v": Knob(
+        "LOGITLESS_TRITON_BLOCK_V", 4096, _positive_int,
+        "Columns per program iteration in the Triton epilogue kernels (64 under TRITON_INTERPRET)."),
+    "triton_prefetch": Knob(
+        "LOGITLESS_TRITON_PREFETCH", True, _flag,
+        "The row-statistics kernel loads the next column block before reducing the current one: "
+        "hides load latency for more registers."),
+    "triton_programs_per_sm": Knob(
+        "LOGITLESS_TRITON_PROGRAMS_PER_SM", 8, _positive_int,
+        "Programs per SM the epilogue grids aim for (rows x column splits): more splits keep small "
+        "chunks streaming, for more partial results to merge."),
+    "triton_num_warps": Knob(
+        "LOGITLESS_TRITON_NUM_WARPS", 4, _positive_int,
+        "Warps per program of the epilogue kernels."),
+}
+
+
+class Settings:
+    """Attribute access to :data:`KNOBS`, read from the environment at each access.
+
+    Example:
+        >>> settings.triton_fused_max_chunks
+        8
+    """
+
+    def __init__(self, knobs: Dict[str, Knob]):
+        object.__setattr__(self, "_knobs", knobs)
+        object.__setattr__(self, "_overrides", {})
+
+    def __getattr__(self, name: str) -> Any:
+        knobs = object.__getattribute__(self, "_knobs")
+        if name not in knobs:
+            raise AttributeError(f"logitless.settings has no knob {name!r}; knobs: {sorted(knobs)}")
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        knob = knobs[name]
+        raw = os.environ.get(knob.env)
+        if raw is None:
+            return knob.default
+        try:
+            return knob.parse(raw)
+        except ValueError as err:
+            raise ValueError(f"environment variable {knob.env}={raw!r}: {err}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("logitless.settings is read-only; set the environment variable or use "
+                             "settings.override(...)")
+
+    @contextmanager
+    def override(self, **values: Any) -> Iterator["Settings"]:
+        """Sets knobs for the duration of a ``with`` block (over the environment).
+
+        Args:
+            **values: knob name -> value.
+
+        Raises:
+            AttributeError: for an unknown knob name.
+        """
+        knobs = object.__getattribute__(self, "_knobs")
+        unknown = sorted(set(values) - set(knobs))
+        if unknown:
+            raise AttributeError(f"logitless.settings has no knob(s) {unknown}; knobs: {sorted(knobs)}")
+        overrides = object.__getattribute__(self, "_overrides")
+        saved = dict(overrides)
+        overrides.update(values)
+        try:
+            yield self
+        finally:
+            overrides.clear()
+            overrides.update(saved)
+
+
+#: The process-wide settings.
+settings = Settings(KNOBS)
+
+
+def describe() -> List[str]:
+    """The knob table as Markdown lines (variable, default, what it does), as docs/CONTRACT.md lists it.
+
+    Returns:
+        List[str]: the table's lines.
+    """
+    lines = ["| variable | default | what it does, what it trades |", "|---|---|---|"]
+    for knob in KNOBS.values():
+        default = ("1" if knob.default else "0") if isinstance(knob.default, bool) else str(knob.default)
+        lines.append(f"| `{knob.env}` | {default} | {knob.doc} |")
+    return lines
