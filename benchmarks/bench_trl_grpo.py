@@ -29,7 +29,7 @@ SIZES = {
 def _tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from logitless.data import TINY_TOKENIZER_DIR
+    from logitless.datasets import TINY_TOKENIZER_DIR
 
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(TINY_TOKENIZER_DIR, "tokenizer.json"))
     tok.pad_token, tok.eos_token = "<|endoftext|>", "<|im_end|>"

@@ -47,8 +47,8 @@ sections=${sections:-tiny tiny_copy qwen}
 [[ " $sections " == *" tiny "* ]] && tiny_pair tiny generation.backend=eager
 [[ " $sections " == *" tiny_copy "* ]] && tiny_pair tiny_copy generation.backend=fast
 
-qwen=(--config configs/qwen_grpo.yaml model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer
-      dataset._component_=logitless.rl.data.synthetic_prompt_dataset eval_every_n_steps=null max_steps=2
+qwen=(--config configs/qwen_grpo.yaml model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer
+      dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null max_steps=2
       save_every_n_steps=1000 save_final_checkpoint=false)
 run_qwen() {  # name, overrides...
     local name=$1; shift

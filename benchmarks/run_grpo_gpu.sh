@@ -27,8 +27,8 @@ config)
         dir=/tmp/logitless_grpo_$impl
         rm -rf "$dir"
         timeout 170 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-            model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer \
-            dataset._component_=logitless.rl.data.synthetic_prompt_dataset eval_every_n_steps=null \
+            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
+            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null \
             max_steps=2 save_every_n_steps=1000 output_dir="$dir" loss.impl=$impl > "$out/grpo_config_$impl.log" 2>&1
         echo "config run impl=$impl rc=$?"
         cat "$dir"/logs/*.txt > "$out/grpo_config_${impl}_metrics.txt" 2>/dev/null
@@ -57,8 +57,8 @@ longgroup)
         dir=/tmp/logitless_longgroup_$mode
         rm -rf "$dir"
         timeout 280 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-            model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer \
-            dataset._component_=logitless.rl.data.synthetic_prompt_dataset dataset.prompt_len=1024 \
+            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
+            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset dataset.prompt_len=1024 \
             eval_every_n_steps=null max_steps=3 save_every_n_steps=1000 output_dir="$dir" \
             prompts_per_step=2 num_generations=16 micro_batch_size=16 generation.max_new_tokens=1024 \
             prompt_sharing=$mode > "$out/grpo_longgroup_$mode.log" 2>&1

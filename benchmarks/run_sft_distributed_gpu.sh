@@ -6,8 +6,8 @@ set -uo pipefail
 out=${1:?usage: run_sft_distributed_gpu.sh OUT_DIR}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-random05=(model_init=random tokenizer._component_=logitless.data.synthetic_tokenizer tokenizer.vocab_size=151936
-          dataset._component_=logitless.data.synthetic_dataset dataset.seq_len=2048 dataset.num_samples=64)
+random05=(model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer tokenizer.vocab_size=151936
+          dataset._component_=logitless.datasets.synthetic_dataset dataset.seq_len=2048 dataset.num_samples=64)
 run_pair() {  # name config extra-args...
     local name=$1 cfg=$2; shift 2
     rm -rf /tmp/sft_$name  # a new run refuses a non-empty output_dir

@@ -15,8 +15,8 @@ case $section in
 recipe)
     rm -rf /tmp/sft_recipe  # a new run refuses a non-empty output_dir
     timeout 150 python3 -m full_sft_single_device --config configs/qwen2_5_0_5b_full.yaml model_init=random \
-        tokenizer._component_=logitless.data.synthetic_tokenizer tokenizer.vocab_size=151936 \
-        dataset._component_=logitless.data.synthetic_dataset dataset.seq_len=4096 dataset.num_samples=64 \
+        tokenizer._component_=logitless.datasets.synthetic_tokenizer tokenizer.vocab_size=151936 \
+        dataset._component_=logitless.datasets.synthetic_dataset dataset.seq_len=4096 dataset.num_samples=64 \
         loss._component_=logitless.losses.LinearCrossEntropyLoss batch_size=4 max_steps=3 \
         save_every_n_steps=1000 output_dir=/tmp/sft_recipe > "$out/sft_recipe_single.log" 2>&1
     echo "single-device recipe rc=$?"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the small assets bundled in ``components/logitless/data/assets/``.
+"""Build the small assets bundled in ``components/logitless/datasets/assets/``.
 
 Deterministic (fixed seeds); rerun it to regenerate every file:
 
@@ -18,7 +18,7 @@ Outputs (relative to the assets folder):
 - ``tokenizer/tokenizer_config.json``: what transformers' ``AutoTokenizer`` needs besides
   ``tokenizer.json`` (class, special tokens, eos ``<|im_end|>`` / pad ``<|endoftext|>``, a ChatML
   template laid out as torchtune's ``Qwen2_5Tokenizer``), derived from torchtune's tokenizer on the
-  files above (``logitless.data.hf_tokenizer_config``). Checkpoint folders copy these files.
+  files above (``logitless.datasets.hf_tokenizer_config``). Checkpoint folders copy these files.
 - ``qwen2_5_tiny/``: ``config.json`` + ``model.safetensors`` (bf16) of ``logitless.models.qwen2_5_tiny``
   in Hugging Face Qwen2 format, readable by ``torchtune.training.FullModelHFCheckpointer``
   (``model_type: QWEN2``).
@@ -179,7 +179,7 @@ def train_tokenizer(texts: list[str], out_dir: Path, total_vocab: int = TOTAL_VO
 
 def write_tokenizer_config(out_dir: Path) -> None:
     """tokenizer_config.json of the bundled tokenizer, from torchtune's view of it (same ids, eos, pad)."""
-    from logitless.data import hf_tokenizer_config, tiny_qwen2_5_tokenizer
+    from logitless.datasets import hf_tokenizer_config, tiny_qwen2_5_tokenizer
 
     config = hf_tokenizer_config(tiny_qwen2_5_tokenizer(), model_max_length=TINY_MAX_SEQ_LEN)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Writes the tiny conversational arithmetic task of configs/tiny_grpo_chat.yaml (deterministic).
 
-The pairs and their train / eval split are those of ``logitless.rl.data.arithmetic_dataset``; each
+The pairs and their train / eval split are those of ``logitless.rl.prompts.arithmetic_dataset``; each
 row is in TRL's conversational format, a system and a user message, with the reference ``answer``
 and the operands as extra columns (handed to the reward functions as keyword arguments)::
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "components")]
-from logitless.rl.data import TINY_CHAT_FILES, arithmetic_pairs  # noqa: E402
+from logitless.rl.prompts import TINY_CHAT_FILES, arithmetic_pairs  # noqa: E402
 
 SYSTEM_PROMPT = "Reply with the sum only."
 

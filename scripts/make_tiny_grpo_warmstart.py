@@ -2,7 +2,7 @@
 
 The bundled tiny Qwen2.5 model starts from random weights and would never emit a digit, so GRPO
 would see reward 0 everywhere. This script runs the SFT recipe (``logitless.training.SFTRecipe``,
-the body of ``full_sft_single_device``) on ``logitless.rl.data.arithmetic_warmstart_dataset`` ("a+b="
+the body of ``full_sft_single_device``) on ``logitless.rl.prompts.arithmetic_warmstart_dataset`` ("a+b="
 followed by the sum and the end-of-turn token) and stops early, after 50 steps of 32 examples: the
 policy then answers in the right format ("<digit><|im_end|>") but is right only ~15% of the time
 (reward < 0.2), and GRPO takes it from there. The embedding of the bundled random init is rescaled
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "components")]
-from logitless.data import TINY_CHECKPOINT_DIR  # noqa: E402
+from logitless.datasets import TINY_CHECKPOINT_DIR  # noqa: E402
 from logitless.training.checkpoint import complete_checkpoints  # noqa: E402
 from logitless.training.sft_recipe import SFTRecipe  # noqa: E402
 
@@ -63,8 +63,8 @@ def main(argv=None) -> None:
     cfg = OmegaConf.create({
         "output_dir": str(work / "run"),
         "model": {"_component_": "logitless.models.qwen2_5_tiny"},
-        "tokenizer": {"_component_": "logitless.data.tiny_qwen2_5_tokenizer", "max_seq_len": 64},
-        "dataset": {"_component_": "logitless.rl.data.arithmetic_warmstart_dataset",
+        "tokenizer": {"_component_": "logitless.datasets.tiny_qwen2_5_tokenizer", "max_seq_len": 64},
+        "dataset": {"_component_": "logitless.rl.prompts.arithmetic_warmstart_dataset",
                     "num_samples": 32 * args.steps, "answers": args.answers, "seed": 0},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
                          "checkpoint_dir": str(init), "checkpoint_files": ["model.safetensors"],

@@ -11,8 +11,8 @@ PACKAGE = pathlib.Path(logitless.__file__).resolve().parent
 
 
 @pytest.mark.parametrize("name,folder", [("rl/tiny_grpo_warmstart", "rl/assets/tiny_grpo_warmstart"),
-                                         ("data/qwen2_5_tiny", "data/assets/qwen2_5_tiny"),
-                                         ("data/tokenizer/vocab.json", "data/assets/tokenizer/vocab.json")])
+                                         ("datasets/qwen2_5_tiny", "datasets/assets/qwen2_5_tiny"),
+                                         ("datasets/tokenizer/vocab.json", "datasets/assets/tokenizer/vocab.json")])
 def test_asset_interpolation_is_an_absolute_path_in_the_package(tmp_path, monkeypatch, name, folder):
     monkeypatch.chdir(tmp_path)
     cfg = OmegaConf.create({"checkpoint_dir": "${logitless_asset:" + name + "}"})
@@ -20,7 +20,15 @@ def test_asset_interpolation_is_an_absolute_path_in_the_package(tmp_path, monkey
     assert pathlib.Path(cfg.checkpoint_dir).exists()
 
 
-@pytest.mark.parametrize("name", ["rl/no_such_asset", "nopackage/x", "data", "../data/assets/tokenizer"])
+def test_the_old_data_prefix_still_resolves_with_a_warning(tmp_path, monkeypatch):
+    # Configs written before logitless/data became logitless/datasets keep running.
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"d": "${logitless_asset:data/qwen2_5_tiny}"})
+    with pytest.warns(FutureWarning, match=r"'data/' assets moved to 'datasets/'; write logitless_asset:datasets/qwen2_5_tiny"):
+        assert cfg.d == str(PACKAGE / "datasets" / "assets" / "qwen2_5_tiny")
+
+
+@pytest.mark.parametrize("name", ["rl/no_such_asset", "nopackage/x", "datasets", "../datasets/assets/tokenizer"])
 def test_unknown_asset_names_the_asset_and_the_folder(name):
     cfg = OmegaConf.create({"d": "${logitless_asset:" + name + "}"})
     with pytest.raises(Exception, match=r"logitless_asset") as e:
@@ -41,7 +49,7 @@ def test_a_bad_asset_in_a_recipe_config_is_a_config_error_naming_the_key():
     from logitless.training.config import ConfigError, Key, validate_config
 
     cfg = OmegaConf.create({"checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
-                                             "checkpoint_dir": "${logitless_asset:data/qwen2_5_tinyy}",
+                                             "checkpoint_dir": "${logitless_asset:datasets/qwen2_5_tinyy}",
                                              "checkpoint_files": ["model.safetensors"], "model_type": "QWEN2",
                                              "output_dir": "/tmp/x"}})
     with pytest.raises(ConfigError, match=r"config key 'checkpointer.checkpoint_dir':.*'qwen2_5_tinyy'.*qwen2_5_tiny"):

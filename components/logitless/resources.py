@@ -10,6 +10,7 @@ before torchtune's ``config.parse`` builds the config, so it exists before anyth
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path, PurePosixPath
 
 import omegaconf
@@ -18,6 +19,8 @@ from omegaconf import OmegaConf
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIGS_DIR = PACKAGE_DIR / "configs"
 ASSET_RESOLVER = "logitless_asset"
+#: Subpackages renamed since configs were written: old name -> new name (still resolved, with a warning).
+RENAMED_SUBPACKAGES = {"data": "datasets"}
 
 
 def package_asset(name: str) -> str:
@@ -25,7 +28,7 @@ def package_asset(name: str) -> str:
 
     Args:
         name (str): ``"SUBPACKAGE/PATH"``, e.g. ``"rl/tiny_grpo_warmstart"`` for
-            ``logitless/rl/assets/tiny_grpo_warmstart`` or ``"data/tokenizer/vocab.json"``.
+            ``logitless/rl/assets/tiny_grpo_warmstart`` or ``"datasets/tokenizer/vocab.json"``.
 
     Returns:
         str: the absolute path.
@@ -34,14 +37,19 @@ def package_asset(name: str) -> str:
         FileNotFoundError: naming the asset, what was expected and the folder searched.
 
     Example:
-        >>> package_asset("data/qwen2_5_tiny")
-        '/.../logitless/data/assets/qwen2_5_tiny'
+        >>> package_asset("datasets/qwen2_5_tiny")
+        '/.../logitless/datasets/assets/qwen2_5_tiny'
     """
     parts = PurePosixPath(str(name)).parts
+    if parts and parts[0] in RENAMED_SUBPACKAGES:
+        new = RENAMED_SUBPACKAGES[parts[0]]
+        warnings.warn(f"{ASSET_RESOLVER}:{name}: the '{parts[0]}/' assets moved to '{new}/'; "
+                      f"write {ASSET_RESOLVER}:{'/'.join((new,) + parts[1:])}", FutureWarning, stacklevel=2)
+        parts = (new,) + parts[1:]
     if len(parts) < 2 or ".." in parts or PurePosixPath(str(name)).is_absolute():
         raise FileNotFoundError(
             f"{ASSET_RESOLVER}:{name}: expected 'SUBPACKAGE/PATH' inside the package, "
-            f"e.g. 'rl/tiny_grpo_warmstart' or 'data/qwen2_5_tiny'")
+            f"e.g. 'rl/tiny_grpo_warmstart' or 'datasets/qwen2_5_tiny'")
     folder = PACKAGE_DIR.joinpath(parts[0], "assets")
     path = folder.joinpath(*parts[1:])
     if not path.exists():

@@ -9,7 +9,7 @@ from torch import nn
 from torchtune.modules import TiedLinear, TransformerDecoder
 from torchtune.training import FullModelHFCheckpointer
 
-from logitless.data import TINY_CHECKPOINT_DIR
+from logitless.datasets import TINY_CHECKPOINT_DIR
 from logitless.models import TINY_QWEN2_5_CONFIG, lora_qwen2_5_tiny, qwen2_5_tiny, qwen2_5_tiny_untied, tiny_hf_config
 
 

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from logitless.data import TINY_CHECKPOINT_DIR, tiny_qwen2_5_tokenizer
+from logitless.datasets import TINY_CHECKPOINT_DIR, tiny_qwen2_5_tokenizer
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
 from logitless.training import CheckpointManager, complete_checkpoints
 from logitless.training.sft_recipe import SFTRecipe

@@ -165,8 +165,8 @@ def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
 
     cfg = OmegaConf.load(ROOT / "configs/qwen_grpo.yaml")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        "model_init=random", "tokenizer._component_=logitless.data.synthetic_tokenizer",
-        "dataset._component_=logitless.rl.data.synthetic_prompt_dataset", "eval_every_n_steps=null"]))
+        "model_init=random", "tokenizer._component_=logitless.datasets.synthetic_tokenizer",
+        "dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset", "eval_every_n_steps=null"]))
     validate_grpo_config(cfg)
     assert cfg.loss.temperature == cfg.generation.temperature
     with pytest.raises(ConfigError, match="does not exist"):  # the real config points at tune download paths

@@ -112,9 +112,9 @@ def test_packed_fused_loss_ac_and_random_bf16_synthetic_overrides(repo_cwd, tmp_
                                    loss={"_component_": "logitless.losses.LinearCrossEntropyLoss", "impl": "chunked"})).run()
     assert_falls(losses, by=1.0)
     syn = tiny_config("tiny_full", tmp_path / "s", **dict(FAST, max_steps=3), model_init="random", dtype="bf16",
-                      tokenizer={"_component_": "logitless.data.synthetic_tokenizer", "vocab_size": 2048,
+                      tokenizer={"_component_": "logitless.datasets.synthetic_tokenizer", "vocab_size": 2048,
                                  "path": "/not/downloaded/vocab.json"},
-                      dataset={"_component_": "logitless.data.synthetic_dataset", "seq_len": 32,
+                      dataset={"_component_": "logitless.datasets.synthetic_dataset", "seq_len": 32,
                                "num_samples": 16, "source": "tatsu-lab/alpaca"},
                       checkpointer__checkpoint_dir="/not/downloaded")
     losses = SFTRecipe(syn).run()
@@ -128,8 +128,8 @@ def test_packed_fused_loss_ac_and_random_bf16_synthetic_overrides(repo_cwd, tmp_
 def test_real_configs_validate_with_random_synthetic_overrides(repo_cwd, tmp_path, name):
     cfg = OmegaConf.load(f"configs/{name}.yaml")
     cfg.output_dir = str(tmp_path)
-    for o in ["model_init=random", "tokenizer._component_=logitless.data.synthetic_tokenizer",
-              "tokenizer.vocab_size=151936", "dataset._component_=logitless.data.synthetic_dataset",
+    for o in ["model_init=random", "tokenizer._component_=logitless.datasets.synthetic_tokenizer",
+              "tokenizer.vocab_size=151936", "dataset._component_=logitless.datasets.synthetic_dataset",
               "dataset.seq_len=4096"]:
         k, v = o.split("=")
         OmegaConf.update(cfg, k, OmegaConf.create(f"v: {v}").v, merge=True)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from logitless.data import tiny_qwen2_5_tokenizer
+from logitless.datasets import tiny_qwen2_5_tokenizer
 from logitless.rl.chat import render_chat_prompt
-from logitless.rl.data import TINY_CHAT_FILES, PromptDataset, prompt_dataset
+from logitless.rl.prompts import TINY_CHAT_FILES, PromptDataset, prompt_dataset
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 
 

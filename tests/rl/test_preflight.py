@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from logitless.data import tiny_qwen2_5_tokenizer
-from logitless.rl.data import PromptDataset, arithmetic_dataset
+from logitless.datasets import tiny_qwen2_5_tokenizer
+from logitless.rl.prompts import PromptDataset, arithmetic_dataset
 from logitless.rl.preflight import PromptSubset, fit_prompt_dataset
 from logitless.rl.recipe import GRPORecipe, validate_grpo_config
 from logitless.training import ConfigError

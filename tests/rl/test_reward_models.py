@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from logitless.data import TINY_TOKENIZER_DIR  # noqa: E402
+from logitless.datasets import TINY_TOKENIZER_DIR  # noqa: E402
 from logitless.rl.reward_models import SequenceClassifierReward, place_reward_models  # noqa: E402
 from logitless.rl.rewards import build_reward_specs, compute_rewards  # noqa: E402
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import logitless.training.checkpoint as ckpt_mod
-from logitless.data import TINY_CHECKPOINT_DIR
+from logitless.datasets import TINY_CHECKPOINT_DIR
 from logitless.models import qwen2_5_tiny
 from logitless.training import CheckpointManager, CheckpointMismatchError, complete_checkpoints, load_weights
 from logitless.training.checkpoint import verify_checkpoint

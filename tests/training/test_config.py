@@ -62,7 +62,7 @@ def test_missing_required_and_component_args(cfg):
 
 def test_required_component_argument(cfg):
     cfg.tokenizer = {"_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
-                     "path": "components/logitless/data/assets/tokenizer/vocab.json"}
+                     "path": "components/logitless/datasets/assets/tokenizer/vocab.json"}
     with pytest.raises(ConfigError, match=r"config key 'tokenizer.merges_file': required"):
         SFTRecipe(cfg)
 
@@ -78,7 +78,7 @@ def test_random_init_skips_checkpoint_files_and_lora_needs_lora_model(cfg):
 
 
 def test_local_dataset_file_is_checked(cfg):
-    cfg.dataset = {"_component_": "logitless.data.alpaca_dataset", "source": "json", "data_files": "nope.json"}
+    cfg.dataset = {"_component_": "logitless.datasets.alpaca_dataset", "source": "json", "data_files": "nope.json"}
     with pytest.raises(ConfigError, match=r"config key 'dataset.data_files': 'nope.json' does not exist"):
         SFTRecipe(cfg)
 

@@ -11,7 +11,7 @@ from torchtune.models import convert_weights
 from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
-from logitless.data import TINY_CHECKPOINT_DIR
+from logitless.datasets import TINY_CHECKPOINT_DIR
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
 from logitless.training import CheckpointManager, load_weights
 from logitless.training.config import ConfigError
@@ -28,7 +28,7 @@ MODEL = dict(_component_="logitless.models.lora_qwen2_5_tiny", lora_attn_modules
 def _run_cfg(out, **model):
     return OmegaConf.create({
         "model": dict(MODEL, **model), "model_init": "checkpoint", "output_dir": str(out),
-        "tokenizer": {"_component_": "logitless.data.tiny_qwen2_5_tokenizer"},
+        "tokenizer": {"_component_": "logitless.datasets.tiny_qwen2_5_tokenizer"},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
                          "checkpoint_dir": str(TINY_CHECKPOINT_DIR), "checkpoint_files": ["model.safetensors"],
                          "model_type": "QWEN2", "output_dir": str(out)}})
@@ -137,7 +137,7 @@ def test_unsupported_model_type_is_refused_before_training(tmp_path):
 
 def test_random_init_folder_is_hf_and_resumes_to_the_same_weights(tmp_path):
     cfg = OmegaConf.create({"model": {"_component_": "logitless.models.qwen2_5_tiny_untied"}, "model_init": "random",
-                            "tokenizer": {"_component_": "logitless.data.tiny_qwen2_5_tokenizer"}})
+                            "tokenizer": {"_component_": "logitless.datasets.tiny_qwen2_5_tokenizer"}})
     torch.manual_seed(0)
     model = qwen2_5_tiny(tie_word_embeddings=False).to(torch.bfloat16)
     mgr = CheckpointManager(None, str(tmp_path), export=ModelExport.for_run(cfg, model, lora=False))
@@ -161,7 +161,7 @@ def test_real_model_folder_layout_keeps_the_source_files_and_fixes_the_dtype(tmp
     tokenizer files unchanged; what the source lacks (here tokenizer_config.json when random) is generated."""
     import shutil
 
-    from logitless.data import TINY_TOKENIZER_DIR
+    from logitless.datasets import TINY_TOKENIZER_DIR
 
     src = tmp_path / "Qwen2.5-Tiny-Instruct"
     shutil.copytree(TINY_CHECKPOINT_DIR, src)

@@ -165,7 +165,7 @@ def test_a_dataset_that_trains_nothing_is_an_error():
 
 
 def test_tiny_alpaca_counts_match_an_independent_tokenisation():
-    from logitless.data import tiny_alpaca_dataset, tiny_qwen2_5_tokenizer
+    from logitless.datasets import tiny_alpaca_dataset, tiny_qwen2_5_tokenizer
 
     full = tiny_alpaca_dataset(tiny_qwen2_5_tokenizer(), split="eval")  # no cut: the true lengths
     lengths = [len(full[i]["tokens"]) for i in range(len(full))]
@@ -195,8 +195,8 @@ def test_alpaca_row_errors_name_the_file_and_row(cfg, tmp_path, no_model_build):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"instruction": "say hi", "input": "", "output": "hi"},
                                 {"instruction": "", "input": "", "output": "x"}]))
-    cfg.dataset = {"_component_": "logitless.data.alpaca_dataset", "source": "json", "data_files": str(path)}
-    with pytest.raises(ConfigError, match=rf"config key 'dataset' \(logitless.data.alpaca_dataset\): alpaca dataset "
+    cfg.dataset = {"_component_": "logitless.datasets.alpaca_dataset", "source": "json", "data_files": str(path)}
+    with pytest.raises(ConfigError, match=rf"config key 'dataset' \(logitless.datasets.alpaca_dataset\): alpaca dataset "
                                           rf"'{path}': row 1 has field 'instruction' = ''"):
         SFTRecipe(cfg).run()
 

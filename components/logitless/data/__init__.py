@@ -1,36 +1,16 @@
-"""Datasets, the bundled tiny assets (tokenizer, checkpoint, toy data) and synthetic data."""
+"""Deprecated name of :mod:`logitless.datasets` (the SFT datasets, the bundled tiny assets and their
+tokenizer). ``logitless.data.NAME`` still resolves, with a FutureWarning, so configs written with
+``_component_: logitless.data.tiny_alpaca_dataset`` keep running; write ``logitless.datasets.NAME``.
+"""
 
-from logitless.data._alpaca import alpaca_dataset, tiny_alpaca_dataset
-from logitless.data._assets import (
-    ASSETS_DIR,
-    TINY_ALPACA_FILES,
-    TINY_CHECKPOINT_DIR,
-    TINY_TOKENIZER_DIR,
-    asset_path,
-    tiny_qwen2_5_tokenizer,
-)
-from logitless.data._hf_tokenizer import CHATML_TEMPLATE, hf_generation_config, hf_tokenizer_config
-from logitless.data._synthetic import (
-    SyntheticDataset,
-    SyntheticTokenizer,
-    synthetic_dataset,
-    synthetic_tokenizer,
-)
+import warnings
 
-__all__ = [
-    "CHATML_TEMPLATE",
-    "ASSETS_DIR",
-    "TINY_ALPACA_FILES",
-    "TINY_CHECKPOINT_DIR",
-    "TINY_TOKENIZER_DIR",
-    "SyntheticDataset",
-    "SyntheticTokenizer",
-    "alpaca_dataset",
-    "asset_path",
-    "hf_generation_config",
-    "hf_tokenizer_config",
-    "synthetic_dataset",
-    "synthetic_tokenizer",
-    "tiny_alpaca_dataset",
-    "tiny_qwen2_5_tokenizer",
-]
+import logitless.datasets as _datasets
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    warnings.warn(f"logitless.data.{name} moved to logitless.datasets.{name}; the old name will be "
+                  f"removed", FutureWarning, stacklevel=2)
+    return getattr(_datasets, name)

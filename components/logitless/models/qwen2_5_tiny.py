@@ -2,7 +2,7 @@
 
 Same blocks as Qwen2.5-0.5B (GQA with q/k/v biases, RoPE, SwiGLU MLP, RMSNorm, tied head as
 ``TiedLinear``) at a size that trains on a CPU in seconds. Its vocabulary matches the bundled
-byte-level BPE tokenizer (``logitless.data.tiny_qwen2_5_tokenizer``: 2026 BPE tokens + 22 special).
+byte-level BPE tokenizer (``logitless.datasets.tiny_qwen2_5_tokenizer``: 2026 BPE tokens + 22 special).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import List
 from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
 from torchtune.modules import TransformerDecoder
 
-# Architecture of the bundled checkpoint (components/logitless/data/assets/qwen2_5_tiny/).
+# Architecture of the bundled checkpoint (components/logitless/datasets/assets/qwen2_5_tiny/).
 TINY_QWEN2_5_CONFIG = dict(
     vocab_size=2048,
     num_layers=2,

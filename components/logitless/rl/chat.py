@@ -82,7 +82,7 @@ def render_chat_prompt(tokenizer: Any, prompt: Sequence[Mapping[str, Any]], *,
         text with the template's special tokens (what completion logs show).
 
     Example:
-        >>> from logitless.data import tiny_qwen2_5_tokenizer
+        >>> from logitless.datasets import tiny_qwen2_5_tokenizer
         >>> tokens, text = render_chat_prompt(tiny_qwen2_5_tokenizer(), [{"role": "user", "content": "3+4="}])
         >>> text
         '<|im_start|>user\\n3+4=<|im_end|>\\n<|im_start|>assistant\\n'

@@ -148,7 +148,7 @@ def fit_prompt_dataset(dataset: Any, *, max_seq_len: Optional[int], max_new_toke
     """Checks every prompt against ``max_seq_len - max_new_tokens`` and applies ``on_too_long``.
 
     Args:
-        dataset: rows with ``prompt_tokens`` (e.g. :class:`logitless.rl.data.PromptDataset`).
+        dataset: rows with ``prompt_tokens`` (e.g. :class:`logitless.rl.prompts.PromptDataset`).
         max_seq_len (Optional[int]): the longest sequence the sampler can run (None: unknown).
         max_new_tokens (int): completion length.
         on_too_long (str): ``"drop" | "truncate" | "error"``.

@@ -15,7 +15,7 @@ One concern per module:
   :func:`verify_checkpoint`; :func:`rng_state` / :func:`set_rng_state`.
 - :mod:`~logitless.training.resume`: :func:`start_run` (new run in an empty folder, or resume from the
   newest verifying checkpoint, with the config changes checked) and :func:`apply_optimizer_changes`.
-- :mod:`~logitless.training.data`: :class:`ResumableSampler`, :func:`build_dataloader`.
+- :mod:`~logitless.training.dataloader`: :class:`ResumableSampler`, :func:`build_dataloader`.
 - :mod:`~logitless.training.model`: build in a dtype, load weights naming mismatches, LoRA, AC, compile.
 - :mod:`~logitless.training.progress`: tqdm bar, tokens/s, peak memory.
 - :mod:`~logitless.training.metric_logging`: torchtune metric loggers (DiskLogger by default).
@@ -27,7 +27,7 @@ One concern per module:
 from logitless.training.checkpoint import (CheckpointManager, complete_checkpoints, rng_state, set_rng_state,
                                           verify_checkpoint)
 from logitless.training.config import ConfigError, Key, config_summary, resolve_component, validate_config
-from logitless.training.data import ResumableSampler, batch_to_device, build_dataloader, is_packed
+from logitless.training.dataloader import ResumableSampler, batch_to_device, build_dataloader, is_packed
 from logitless.training.metric_logging import build_metric_logger, read_disk_log
 from logitless.training.nonfinite import (NonFiniteGuard, NonFiniteStepsError, NonFiniteWeightsError,
                                           check_finite_weights)

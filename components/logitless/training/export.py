@@ -37,7 +37,7 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import TiedLinear
 
-from logitless.data import TINY_TOKENIZER_DIR, hf_generation_config, hf_tokenizer_config
+from logitless.datasets import TINY_TOKENIZER_DIR, hf_generation_config, hf_tokenizer_config
 from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
 
@@ -54,7 +54,7 @@ TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "vocab.json", "merges.txt
 HF_WEIGHTS = "model.safetensors"
 
 # Tokenizer builders whose files ship with the package.
-_BUNDLED_TOKENIZER_DIRS = {"logitless.data.tiny_qwen2_5_tokenizer": TINY_TOKENIZER_DIR}
+_BUNDLED_TOKENIZER_DIRS = {"logitless.datasets.tiny_qwen2_5_tokenizer": TINY_TOKENIZER_DIR}
 # torchtune model types whose checkpointer conversion is plain key renaming + row permutations of
 # q/k (convert_weights.tune_to_hf), or renaming only (QWEN2).
 _RENAMING_TYPES = ("LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "QWEN2")

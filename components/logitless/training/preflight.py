@@ -294,7 +294,7 @@ def fit_sft_dataset(dataset: Any, *, tokenizer: Any, model_max_seq_len: Optional
     """
     if on_too_long not in ON_TOO_LONG:
         raise ConfigError(f"config key 'on_too_long': expected one of {list(ON_TOO_LONG)}, got {on_too_long!r}")
-    from logitless.training.data import is_packed
+    from logitless.training.dataloader import is_packed
 
     tok_limit = getattr(tokenizer, "max_seq_len", None)
     if is_packed(dataset):

@@ -25,7 +25,7 @@ from logitless.training.checkpoint import CheckpointManager, set_rng_state
 from logitless.training.cli import report_errors
 from logitless.training.export import ModelExport
 from logitless.training.config import ConfigError, Key, config_summary, validate_config
-from logitless.training.data import batch_to_device, build_dataloader
+from logitless.training.dataloader import batch_to_device, build_dataloader
 from logitless.training.distributed import FSDP_KEYS, Runtime
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import check_finite_weights

@@ -8,7 +8,7 @@ from torchtune.data import Message
 from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 from torchtune.models.qwen2_5._tokenizer import QWEN2_5_SPECIAL_TOKENS
 
-from logitless.data import TINY_TOKENIZER_DIR, tiny_qwen2_5_tokenizer
+from logitless.datasets import TINY_TOKENIZER_DIR, tiny_qwen2_5_tokenizer
 from logitless.models import TINY_QWEN2_5_CONFIG
 
 TEXTS = [

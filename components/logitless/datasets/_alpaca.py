@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 from torchtune.datasets import alpaca_dataset as _tt_alpaca_dataset
 from torchtune.modules.transforms.tokenizers import ModelTokenizer
 
-from logitless.data._assets import TINY_ALPACA_FILES
+from logitless.datasets._assets import TINY_ALPACA_FILES
 
 _ALPACA_FIELDS = ("instruction", "input", "output")
 _REQUIRED = ("instruction", "output")  # "input" may be empty or absent (torchtune treats it as optional)

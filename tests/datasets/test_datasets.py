@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
-from logitless.data import (
+from logitless.datasets import (
     TINY_ALPACA_FILES,
     SyntheticTokenizer,
     alpaca_dataset,
@@ -91,3 +91,14 @@ def test_truncated_rows_keep_torchtune_masking():
     item = tiny_alpaca_dataset(short)[3]
     assert len(item["tokens"]) == 20 and item["tokens"][-1] == short.eos_id
     assert item["labels"][-1] == CROSS_ENTROPY_IGNORE_IDX
+
+
+@pytest.mark.parametrize("old, new", [("logitless.data.tiny_alpaca_dataset", "logitless.datasets.tiny_alpaca_dataset"),
+                                      ("logitless.rl.data.gsm8k_dataset", "logitless.rl.prompts.gsm8k_dataset")])
+def test_the_old_data_module_names_still_resolve_in_configs_with_a_warning(old, new):
+    # A config written before the rename builds the same component, and is told the new name.
+    from torchtune.config._utils import _get_component_from_path
+
+    with pytest.warns(FutureWarning, match=f"{old.rsplit('.', 1)[0]}.* moved to {new.rsplit('.', 1)[0]}"):
+        got = _get_component_from_path(old)
+    assert got is _get_component_from_path(new)

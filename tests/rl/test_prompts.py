@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from logitless.data import tiny_qwen2_5_tokenizer
-from logitless.rl.data import (
+from logitless.datasets import tiny_qwen2_5_tokenizer
+from logitless.rl.prompts import (
     PromptDataset, arithmetic_dataset, arithmetic_pairs, arithmetic_warmstart_dataset, gsm8k_dataset,
     synthetic_prompt_dataset,
 )

@@ -50,7 +50,7 @@ def synthetic_tokenizer(vocab_size: int = 151936, max_seq_len: Optional[int] = N
         max_seq_len (Optional[int]): truncation / packing length.
         **file_args: the real tokenizer's file arguments (``path``, ``merges_file``,
             ``special_tokens_path``, ``prompt_template``), accepted and unused, so that
-            ``tokenizer._component_=logitless.data.synthetic_tokenizer`` works on any config.
+            ``tokenizer._component_=logitless.datasets.synthetic_tokenizer`` works on any config.
 
     Returns:
         SyntheticTokenizer: the tokenizer.

@@ -10,7 +10,7 @@ from torchtune.models.qwen2_5._tokenizer import Qwen2_5Tokenizer
 
 from logitless.resources import PACKAGE_DIR, package_asset
 
-ASSETS_DIR = PACKAGE_DIR / "data" / "assets"
+ASSETS_DIR = PACKAGE_DIR / "datasets" / "assets"
 TINY_TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 TINY_CHECKPOINT_DIR = ASSETS_DIR / "qwen2_5_tiny"
 TINY_ALPACA_FILES = {"train": ASSETS_DIR / "tiny_alpaca.json", "eval": ASSETS_DIR / "tiny_alpaca_eval.json"}
@@ -20,7 +20,7 @@ def asset_path(name: str) -> str:
     """Absolute path of a bundled asset.
 
     Args:
-        name (str): path relative to ``logitless/data/assets`` (e.g. ``"tokenizer/vocab.json"``).
+        name (str): path relative to ``logitless/datasets/assets`` (e.g. ``"tokenizer/vocab.json"``).
 
     Returns:
         str: the absolute path.
@@ -30,9 +30,9 @@ def asset_path(name: str) -> str:
 
     Example:
         >>> asset_path("qwen2_5_tiny/config.json")
-        '/.../logitless/data/assets/qwen2_5_tiny/config.json'
+        '/.../logitless/datasets/assets/qwen2_5_tiny/config.json'
     """
-    return package_asset(f"data/{name}")  # the lookup configs use as ${logitless_asset:data/NAME}
+    return package_asset(f"datasets/{name}")  # the lookup configs use as ${logitless_asset:datasets/NAME}
 
 
 def tiny_qwen2_5_tokenizer(
