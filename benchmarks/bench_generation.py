@@ -1,34 +1,39 @@
-"""Sampling throughput of GRPO-style groups: tokens/s of four generators on the same model and prompts.
+"""Decode against the memory-bandwidth roofline: what a GRPO rollout costs per step and per token.
 
-For each model (torchtune Qwen2.5 architectures, random bf16 weights) and prompt length, P prompts
-x G completions each (N = P x G rows) of exactly ``--new-tokens`` tokens (no stop token can fire),
-sampled at temperature 1 from the full vocabulary, with:
+For each model (torchtune Qwen2.5 builders, random bf16 weights), row count (P prompts x G=16),
+prompt length and number of new tokens, every sampler samples the same prompts twice:
 
-* ``torchtune``: ``torchtune.generation.generate`` with its KV cache (prompts repeated G times; it
-  keeps fp32 ``[N, T, V]`` logits);
-* ``eager``: ``logitless.rl.generation.generate`` (KV cache, last-position logits only);
-* ``fast_nocompile``: ``logitless.rl.fast_generation`` without compile (prefill once per group,
-  static caches) - attributes the gain between the shared prefill and the compiled step;
-* ``fast``: ``logitless.rl.fast_generation`` with the compiled decode step (CUDA graphs);
-* ``fast_ungrouped`` (not in the default list): ``fast`` with torchtune's own attention, which
-  copies K/V once per query head (isolates the grouped-attention gain);
-* ``hf``: HF transformers ``generate`` (``num_return_sequences=G``, its default dynamic cache) on a
-  random-init ``Qwen2ForCausalLM`` of the same architecture, when ``transformers`` is importable.
+* ``uniform``: no stop token can fire, every row decodes ``new_tokens`` tokens. Reported per decode
+  step: the time (total minus a one-token call's prefill, over ``new_tokens - 1`` steps), the bytes
+  a step must read (every weight once, the head included and a tied embedding counted once; the KV
+  cache rows actually filled, averaged over the steps), the time those bytes take at the copy
+  bandwidth measured in the same run (``roofline_ms``) and the achieved fraction of it.
+* ``mix``: a realistic spread of completion lengths: a set of stop tokens holding about
+  ``2.82 / new_tokens`` of the probability mass stops each row at a geometric length whose mean
+  (capped at ``new_tokens``) is about a third of the maximum; tokens/s counts generated tokens only.
 
-Time = one call, prefill included, after a short warm-up call of each generator (the compile of
-``fast`` happens in its warm-up and is reported as ``compile_s``). The fast sampler keeps one cache
-length per model (longest prompt + new tokens), as a GRPO run configures it, so each model
-compiles once. Rows go to a CSV (with GPU name and versions) and a table is printed last.
+Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` as a recipe builds it) and
+``baseline`` (the same class with the options that reproduce the sampler before compaction and
+in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``eager``
+(the reference sampler) is available on request.
 
-Example (H200, about 5 minutes):
-    PYTHONPATH=components python benchmarks/bench_generation.py
-    PYTHONPATH=components python benchmarks/bench_generation.py --quick      # ~1.5 minutes
+``--profile`` runs one configuration under ``torch.profiler`` and prints the top kernels by device
+time, the device-busy share of the decode loop (the rest is launch gaps and host work) and the host
+syncs.
+
+Example (H200):
+    PYTHONPATH=components python benchmarks/bench_generation.py --models 0.5b,1.5b,7b --rows 16,64 \\
+        --new-tokens 512,2048
+    PYTHONPATH=components python benchmarks/bench_generation.py --models 1.5b --rows 64 --new-tokens 512 \\
+        --profile
+    PYTHONPATH=components python benchmarks/bench_generation.py --models tiny --device cpu --no-compile  # smoke
 """
 
 import argparse
 import csv
 import datetime
 import gc
+import inspect
 import os
 import platform
 import re
@@ -38,16 +43,21 @@ import traceback
 
 import torch
 
-BACKENDS = ["torchtune", "eager", "fast_nocompile", "fast", "hf"]  # the default run
-EXTRA = ["fast_ungrouped"]  # on request (--backends): one more compile per model
 MODELS = {  # name: torchtune builder
-    "qwen2.5-0.5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
-    "qwen2.5-1.5b": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
+    "0.5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
+    "1.5b": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
+    "7b": "torchtune.models.qwen2_5.qwen2_5_7b_instruct",
     "tiny": "logitless.models.qwen2_5_tiny",  # CPU smoke test of this script
 }
-FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "transformers", "model", "backend", "prompts",
-          "G", "rows", "prompt_len", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_torchtune",
-          "peak_gib", "compile_s", "generated", "status"]
+SAMPLERS = ("compiled", "baseline", "eager")
+MIXES = ("uniform", "mix")
+#: x with (1 - exp(-x)) / x = 1/3: a per-step stop probability of x / new_tokens gives completions
+#: whose mean length, capped at new_tokens, is a third of it.
+MIX_RATE = 2.821
+FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "mix", "prompts", "G", "rows",
+          "prompt_len", "new_tokens", "seconds", "prefill_s", "generated", "mean_len", "tokens_per_s",
+          "step_ms", "step_gb", "copy_gbps", "roofline_ms", "roofline_frac", "compile_s", "status"]
+GROUP = 16
 
 
 def _version(name):
@@ -59,14 +69,14 @@ def _version(name):
         return "missing"
 
 
-def _build(dotted, device):
-    """A torchtune model of the given builder, random weights, in bf16 on ``device``."""
+def build_model(name, device):
+    """A model of the named builder with random weights (bf16 on CUDA, fp32 on CPU)."""
     import importlib
 
     from torchtune.training import set_default_dtype
 
-    module, name = dotted.rsplit(".", 1)
-    builder = getattr(importlib.import_module(module), name)
+    module, attr = MODELS[name].rsplit(".", 1)
+    builder = getattr(importlib.import_module(module), attr)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with set_default_dtype(dtype), device:
         model = builder()
@@ -75,92 +85,70 @@ def _build(dotted, device):
     return model.eval().requires_grad_(False)
 
 
-def _hf_model(tt_model, device):
-    """A random-init HF ``Qwen2ForCausalLM`` with the torchtune model's architecture."""
-    import transformers
-    from torchtune.modules import TiedLinear
-
-    layer = tt_model.layers[0]
-    config = transformers.Qwen2Config(
-        vocab_size=tt_model.tok_embeddings.num_embeddings, hidden_size=tt_model.tok_embeddings.embedding_dim,
-        intermediate_size=layer.mlp.w1.out_features, num_hidden_layers=len(tt_model.layers),
-        num_attention_heads=layer.attn.num_heads, num_key_value_heads=layer.attn.num_kv_heads,
-        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-        tie_word_embeddings=isinstance(tt_model.output, TiedLinear), use_sliding_window=False)
-    dtype = next(tt_model.parameters()).dtype
-    def build():
-        try:  # transformers >= 4.56 names it dtype, older versions torch_dtype
-            return transformers.Qwen2ForCausalLM._from_config(config, dtype=dtype)
-        except TypeError:
-            return transformers.Qwen2ForCausalLM._from_config(config, torch_dtype=dtype)
-
-    try:
-        with device:  # initialise on the GPU: a CPU init of 1.5B random weights takes a while
-            model = build()
-    except Exception as exc:  # some versions refuse a device context: build on CPU, then move
-        print(f"hf: init under the device context failed ({type(exc).__name__}); building on CPU", flush=True)
-        model = build()
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    model.generation_config.eos_token_id = None  # never stop early
-    model.generation_config.pad_token_id = 0
-    return model
+def copy_bandwidth(device, gib=1.0, repeats=10):
+    """Bytes per second of a device-to-device copy (read + write), measured now."""
+    if device.type != "cuda":
+        return float("nan")
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * n * 2 * repeats / seconds
 
 
-def _run(backend, model, hf, prompts, groups, new_tokens, fast, seed):
-    """Runs one generator; returns the number of new tokens per row it produced."""
-    from logitless.rl.generation import generate as eager_generate
+def step_bytes(model, rows, prompt_len, new_tokens):
+    """Bytes one decode step must read, averaged over the ``new_tokens - 1`` steps.
 
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(max_new_tokens=new_tokens, stop_tokens=[-1], pad_id=0, num_generations=groups,
-              temperature=1.0, generator=gen)  # stop id -1 is never sampled: no early stop
-    if backend == "eager":
-        return eager_generate(model, prompts, **kw).completion_tokens.shape[1]
-    if backend in fast:
-        return fast[backend](model, prompts, **kw).completion_tokens.shape[1]
-    batch = torch.tensor(prompts, device=device)
-    if backend == "torchtune":
-        from torchtune.generation import generate as tt_generate
-        from torchtune.modules.common_utils import local_kv_cache
+    Every weight once (a tied embedding is the head's weight, read once; an untied embedding table
+    is only gathered at ``rows`` entries), plus the filled part of the KV cache: the prompt and the
+    tokens generated so far, for every row, layer, K and V.
+    """
+    from torchtune.modules import MultiHeadAttention, TiedLinear
 
-        batch = batch.repeat_interleave(groups, dim=0)
-        with local_kv_cache(model, batch_size=batch.shape[0], device=device, dtype=batch_dtype(model),
-                            decoder_max_seq_len=batch.shape[1] + new_tokens):
-            out, _ = tt_generate(model, batch, max_generated_tokens=new_tokens, pad_id=0, temperature=1.0,
-                                 rng=gen)
-        return out.shape[1] - batch.shape[1]
-    if backend == "hf":
-        out = hf.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=True,
-                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, num_return_sequences=groups, pad_token_id=0)
-        return out.shape[1] - batch.shape[1]
-    raise ValueError(f"backend: unknown {backend!r}, expected one of {BACKENDS + EXTRA}")
+    seen, weights = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            weights += p.numel() * p.element_size()
+    emb = model.tok_embeddings.weight
+    if not isinstance(model.output, TiedLinear):
+        weights -= emb.numel() * emb.element_size() - rows * emb.shape[1] * emb.element_size()
+    attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    per_token = sum(2 * a.num_kv_heads * a.head_dim for a in attns) * emb.element_size()
+    mean_fill = prompt_len + new_tokens / 2  # column t holds prompt_len + t entries, t = 1 .. new - 1
+    return weights + rows * per_token * mean_fill
 
 
-def _agreement(model, sampler, prompts, groups, new_tokens=32):
-    """Greedy tokens of the compiled fast sampler against the eager one (a GPU check of the
-    CUDA-graph path): share of identical rows and mean length of the common prefix."""
-    from logitless.rl.generation import generate as eager_generate
-
-    kw = dict(max_new_tokens=new_tokens, stop_tokens=[-1], pad_id=0, num_generations=groups, temperature=0)
-    a = eager_generate(model, prompts, **kw).completion_tokens
-    b = sampler(model, prompts, **kw).completion_tokens
-    differ = (a != b).long()
-    prefix = torch.where(differ.any(1), differ.argmax(1), torch.full_like(differ[:, 0], new_tokens))
-    return (f"greedy vs eager: {float((prefix == new_tokens).float().mean()):.0%} rows identical over "
-            f"{new_tokens} tokens, mean common prefix {float(prefix.float().mean()):.1f}")
+def mix_stop_tokens(vocab, new_tokens, seed=0):
+    """Stop-token ids holding about ``MIX_RATE / new_tokens`` of a near-uniform distribution."""
+    count = max(1, round(MIX_RATE * vocab / new_tokens))
+    perm = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed)) + 1  # never pad 0
+    return perm[:count].tolist()
 
 
-def _kept_gib(sampler):
-    """GiB of the cache and step buffers a FastGenerator keeps between calls."""
-    state = sampler._state or {}
-    tensors = [t for c in state.get("caches", []) for t in (c.k_cache, c.v_cache)]
-    tensors += [state[k] for k in ("tokens", "input_pos", "key_valid", "weight") if state.get(k) is not None]
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+def make_samplers(names, compile, cache_len):
+    """Sampler name -> callable with the eager sampler's signature."""
+    from logitless.rl.rollout import CompiledSampler, generate
 
-
-def batch_dtype(model):
-    return next(model.parameters()).dtype
+    accepted = inspect.signature(CompiledSampler).parameters
+    # what reproduces the sampler before compaction and in-graph draws, where this version has them
+    baseline = {k: v for k, v in dict(buckets=None, draws="generator", attention="sdpa").items() if k in accepted}
+    out = {}
+    for name in names:
+        if name == "compiled":
+            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len)
+        elif name == "baseline":
+            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **baseline)
+        elif name == "eager":
+            out[name] = generate
+    return out
 
 
 def _sync(device):
@@ -168,94 +156,83 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _timed(fn, device):
-    """(seconds, result, peak GiB above what was allocated before)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+def timed(fn, device):
+    """(seconds, result) of one call."""
     _sync(device)
     t0 = time.perf_counter()
     result = fn()
     _sync(device)
-    seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else float("nan")
-    return seconds, result, peak
+    return time.perf_counter() - t0, result
 
 
-def bench_model(name, args, device, writer, rows):
-    """All prompt lengths and backends for one model."""
-    from logitless.rl.fast_generation import FastGenerator
+def sample(sampler, model, prompts, new_tokens, stops, seed):
+    device = next(model.parameters()).device
+    from logitless.rl.rollout import prompt_generators
 
-    model = _build(MODELS[name], device)
+    gens = prompt_generators(seed, 0, range(len(prompts)), device)
+    return sampler(model, prompts, max_new_tokens=new_tokens, stop_tokens=stops, pad_id=0,
+                   num_generations=GROUP, temperature=1.0, generator=gens)
+
+
+def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_tokens, device, bandwidth):
+    """Uniform and mixed lengths for one sampler and shape; returns CSV rows."""
     vocab = model.tok_embeddings.num_embeddings
-    hf = None
-    if "hf" in args.backends:
+    prompts = torch.randint(1, vocab, (rows // GROUP, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    base = dict(model=name, sampler=sampler_name, prompts=len(prompts), G=GROUP, rows=rows, prompt_len=prompt_len,
+                new_tokens=new_tokens, status="ok")
+    out = []
+    never = [vocab]  # outside the vocabulary: never sampled
+    compile_s, _ = timed(lambda: sample(sampler, model, prompts, 4, never, 1), device)  # compile, capture
+    prefill_s, _ = timed(lambda: sample(sampler, model, prompts, 1, never, 1), device)
+    for mix in MIXES:
+        row = dict(base, mix=mix, compile_s=round(compile_s, 1) if mix == "uniform" else "")
         try:
-            hf = _hf_model(model, device)
-        except Exception as exc:  # transformers missing or incompatible: reported in the table
-            print(f"[{name}] hf skipped: {type(exc).__name__}: {exc}", flush=True)
-    cache_len = max(args.prompt_lens) + args.new_tokens
-    fast = {"fast": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len),
-            "fast_nocompile": FastGenerator(compile=False, max_cache_len=cache_len),
-            "fast_ungrouped": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len,
-                                            grouped_attention=False)}
-    rng = torch.Generator().manual_seed(0)
-    for plen in args.prompt_lens:
-        prompts = torch.randint(1, vocab, (args.prompts, plen), generator=rng).tolist()  # no pad id 0
-        base = None
-        for backend in args.backends:
-            row = dict(model=name, backend=backend, prompts=args.prompts, G=args.groups,
-                       rows=args.prompts * args.groups, prompt_len=plen, new_tokens=args.new_tokens,
-                       compile_s="", status="ok")
-            if backend == "hf" and hf is None:
-                row.update(status="transformers unavailable")
-                writer(row), rows.append(row)
-                continue
-            try:
-                # warm-up: allocator, cuBLAS handles; for "fast" the compile and CUDA graph capture
-                # (same rows and cache length as the timed call, so the same graph)
-                warm, _, _ = _timed(lambda: _run(backend, model, hf, prompts, args.groups, 4, fast, 1), device)
-                if backend in ("fast", "fast_ungrouped"):
-                    row["compile_s"] = round(warm, 1)
-                seconds, made, peak = _timed(
-                    lambda: _run(backend, model, hf, prompts, args.groups, args.new_tokens, fast, 2), device)
-                if backend in fast:  # a kept cache was allocated before the timed call
-                    peak += _kept_gib(fast[backend])
-                tps = row["rows"] * made / seconds
-                base = tps if backend == "torchtune" else base
-                row.update(seconds=round(seconds, 3), tokens_per_s=round(tps, 1), generated=made,
-                           peak_gib=round(peak, 2),
-                           speedup_vs_torchtune=round(tps / base, 2) if base else "")
-                if made != args.new_tokens:
-                    row["status"] = f"stopped early ({made} tokens)"
-            except torch.cuda.OutOfMemoryError:
-                row.update(status="OOM")
-            except Exception as exc:  # one failing generator must not hide the others' numbers
-                traceback.print_exc()
-                row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
-            print(f"[{name} P={args.prompts} G={args.groups} prompt={plen}] {backend:>14}: "
-                  f"{row.get('tokens_per_s', '-')} tok/s  {row.get('seconds', '-')} s  {row['status']}",
-                  flush=True)
-            writer(row), rows.append(row)
-            gc.collect()
-        if plen == args.prompt_lens[0] and "fast" in args.backends:
-            try:  # same rows and cache length as the timed runs: no new compile
-                note = _agreement(model, fast["fast"], prompts, args.groups, min(32, args.new_tokens))
-            except Exception as exc:  # a failed check is reported, not fatal
-                note = f"check failed: {type(exc).__name__}: {str(exc)[:120]}"
-            print(f"[{name} prompt={plen}] {note}", flush=True)
-            row = dict(model=name, backend="check_fast_vs_eager", prompts=args.prompts, G=args.groups,
-                       rows=args.prompts * args.groups, prompt_len=plen, new_tokens=min(32, args.new_tokens),
-                       status=note)
-            writer(row), rows.append(row)
-    for sampler in fast.values():
-        sampler.release()
-    del model, hf, fast
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+            stops = never if mix == "uniform" else mix_stop_tokens(vocab, new_tokens)
+            seconds, ro = timed(lambda: sample(sampler, model, prompts, new_tokens, stops, 2), device)
+            lengths = ro.completion_lengths.float()
+            generated = int(lengths.sum())
+            row.update(seconds=round(seconds, 4), prefill_s=round(prefill_s, 4), generated=generated,
+                       mean_len=round(float(lengths.mean()), 1), tokens_per_s=round(generated / seconds, 1))
+            if mix == "uniform" and new_tokens > 1:
+                step = (seconds - prefill_s) / (new_tokens - 1)
+                nbytes = step_bytes(model, rows, prompt_len, new_tokens)
+                roof = nbytes / bandwidth
+                row.update(step_ms=round(step * 1e3, 3), step_gb=round(nbytes / 1e9, 3),
+                           copy_gbps=round(bandwidth / 1e9, 1), roofline_ms=round(roof * 1e3, 3),
+                           roofline_frac=round(roof / step, 3) if step > 0 else "")
+        except torch.cuda.OutOfMemoryError:
+            row.update(status="OOM")
+        except Exception as exc:  # one failing configuration must not hide the others' numbers
+            traceback.print_exc()
+            row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
+        print(f"[{name} rows={rows} new={new_tokens} {mix:>7}] {sampler_name:>9}: {row.get('tokens_per_s', '-')} tok/s "
+              f"step {row.get('step_ms', '-')} ms roofline {row.get('roofline_frac', '-')} mean_len "
+              f"{row.get('mean_len', '-')} {row['status']}", flush=True)
+        out.append(row)
+    return out
+
+
+def profile(model, sampler, rows, prompt_len, new_tokens, device, top=20):
+    """Top kernels by device time and the device-busy share of one sampling call."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    vocab = model.tok_embeddings.num_embeddings
+    prompts = torch.randint(1, vocab, (rows // GROUP, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+    sample(sampler, model, prompts, new_tokens, [vocab], 1)  # compile and capture outside the trace
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        seconds, _ = timed(lambda: sample(sampler, model, prompts, new_tokens, [vocab], 2), device)
+    events = prof.key_averages()
+    attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=top, max_name_column_width=80), flush=True)
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                      "aten::item", "aten::_local_scalar_dense"))
+    print(f"profile: {seconds * 1e3:.1f} ms for {rows} rows x {new_tokens} tokens; kernels busy {busy * 1e3:.1f} ms "
+          f"({busy / seconds:.0%}); host syncs/item calls {syncs}; per step {seconds / new_tokens * 1e3:.3f} ms "
+          f"(sorted by {sort}; {attr})", flush=True)
 
 
 def _gpu_name(device):
@@ -263,63 +240,88 @@ def _gpu_name(device):
 
 
 def _table(rows):
-    cols = ["model", "prompt_len", "backend", "tokens_per_s", "speedup_vs_torchtune", "seconds", "peak_gib",
-            "compile_s", "status"]
+    cols = ["model", "rows", "new_tokens", "mix", "sampler", "tokens_per_s", "mean_len", "step_ms", "roofline_ms",
+            "roofline_frac", "compile_s", "status"]
     width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols)]
     lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
     return "\n".join(lines)
 
 
-def main(argv=None):
+def _ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {list(MODELS)}")
-    ap.add_argument("--backends", default=",".join(BACKENDS))
-    ap.add_argument("--prompt-lens", default="256,1024")
-    ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--prompts", type=int, default=4, help="distinct prompts P (rows = P x G)")
-    ap.add_argument("--groups", type=int, default=16, help="completions per prompt G")
-    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {list(MODELS)}")
+    ap.add_argument("--samplers", default="compiled,baseline", help=f"comma list of {list(SAMPLERS)}")
+    ap.add_argument("--rows", type=_ints, default=[16, 64], help="rows per call, multiples of G=16")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=_ints, default=[512, 2048])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="0.5B only, prompt 256, 128 new tokens")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_<gpu>.csv)")
+    ap.add_argument("--no-compile", action="store_true", help="uncompiled samplers (CPU smoke test)")
+    ap.add_argument("--profile", action="store_true", help="profile the first model, rows and new_tokens only")
+    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_roofline_<gpu>.csv)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.models, args.prompt_lens, args.new_tokens = "qwen2.5-0.5b", "256", 128
-    args.models = args.models.split(",")
-    args.backends = args.backends.split(",")
-    args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    args.models, args.samplers = args.models.split(","), args.samplers.split(",")
     for name in args.models:
         if name not in MODELS:
             ap.error(f"--models: unknown {name!r}, expected some of {list(MODELS)}")
-    for name in args.backends:
-        if name not in BACKENDS + EXTRA:
-            ap.error(f"--backends: unknown {name!r}, expected some of {BACKENDS + EXTRA}")
+    for name in args.samplers:
+        if name not in SAMPLERS:
+            ap.error(f"--samplers: unknown {name!r}, expected some of {list(SAMPLERS)}")
+    for r in args.rows:
+        if r < GROUP or r % GROUP:
+            ap.error(f"--rows: {r} is not a positive multiple of G={GROUP}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device(args.device)
     gpu = _gpu_name(device)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"generation_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    triton = _version("triton")
     common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=gpu,
-                  torch=torch.__version__, triton=triton, torchtune=_version("torchtune"),
-                  transformers=_version("transformers"))
+                  torch=torch.__version__, triton=_version("triton"), torchtune=_version("torchtune"))
+    compile = not args.no_compile
+    cache_len = args.prompt_len + max(args.new_tokens)
+    if args.profile:
+        model = build_model(args.models[0], device)
+        for name, sampler in make_samplers(args.samplers, compile, cache_len).items():
+            print(f"== profile {name}: {args.models[0]} rows={args.rows[0]} new={args.new_tokens[0]}", flush=True)
+            profile(model, sampler, args.rows[0], args.prompt_len, args.new_tokens[0], device)
+        return 0
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"generation_roofline_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = []
     new_file = not os.path.exists(out)
     with open(out, "a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
         if new_file:
             w.writeheader()
-
-        def writer(row):
-            w.writerow({**common, **row})
-            fh.flush()
-
-        rows = []
         t0 = time.perf_counter()
         for name in args.models:
-            bench_model(name, args, device, writer, rows)
-    print(f"\n{gpu} | torch {torch.__version__} | triton {triton} | torchtune {common['torchtune']} | "
-          f"transformers {common['transformers']} | total {time.perf_counter() - t0:.0f} s | csv {out}")
+            model = build_model(name, device)
+            samplers = make_samplers(args.samplers, compile, cache_len)
+            for n in args.rows:
+                for new in args.new_tokens:
+                    for sname, sampler in samplers.items():
+                        for row in bench_config(model, name, sname, sampler, n, args.prompt_len, new, device,
+                                                bandwidth):
+                            w.writerow({**common, **row})
+                            fh.flush()
+                            rows.append(row)
+            for sampler in samplers.values():
+                getattr(sampler, "release", lambda: None)()
+            del model, samplers
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"\n{gpu} | torch {torch.__version__} | triton {common['triton']} | torchtune {common['torchtune']} | "
+          f"copy {bandwidth / 1e9:.0f} GB/s | total {time.perf_counter() - t0:.0f} s | csv {out}")
     print(_table(rows))
     return 0
 

@@ -54,9 +54,9 @@ sys.path[:0] = [str(ROOT / "components")]
 
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
-from logitless.rl import fast_generation  # noqa: E402
+from logitless.rl.rollout import compiled  # noqa: E402
 from logitless.losses._base import as_head_input  # noqa: E402
-from logitless.rl.generation import Rollout, generate  # noqa: E402
+from logitless.rl.rollout import Rollout, generate  # noqa: E402
 from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
@@ -156,7 +156,7 @@ def one_step(model, loss_fn, optimizer, cfg, device, seed, prompt_sharing=False,
     else:
         gen = torch.Generator(device=device).manual_seed(seed)
         # a stop token outside the vocabulary: every completion has exactly completion_len tokens
-        sampler = fast_generation.generate if cfg.generator == "fast" else generate
+        sampler = compiled.generate if cfg.generator == "fast" else generate
         rollout = sampler(model, [prompt], max_new_tokens=cfg.completion_len, stop_tokens=[vocab], pad_id=0,
                           num_generations=cfg.G, temperature=1.0, generator=gen)
     sync(device)
@@ -335,7 +335,7 @@ def main(argv=None):
     p.add_argument("--impls", default="chunked,triton,full_logits,triton+prompt_once")
     p.add_argument("--G", type=int_list, default=[16], help="completions per prompt (comma list)")
     p.add_argument("--generator", default="eager", choices=("eager", "fast"),
-                   help="sampler: rl.generation (eager) or rl.fast_generation (static cache, compiled decode)")
+                   help="sampler: rl.rollout.eager or rl.rollout.compiled (static cache, compiled decode)")
     p.add_argument("--update-only", action="store_true", help="random completions instead of sampling")
     p.add_argument("--prompt-len", type=int_list, default=[1024], help="comma list")
     p.add_argument("--completion-len", type=int_list, default=[512], help="comma list")

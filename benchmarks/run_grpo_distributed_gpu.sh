@@ -45,7 +45,7 @@ tiny=(--config configs/tiny_grpo.yaml device=cuda dtype=fp32 cpu_threads=null ma
 sections=${*:2}
 sections=${sections:-tiny tiny_copy qwen}
 [[ " $sections " == *" tiny "* ]] && tiny_pair tiny generation.backend=eager
-[[ " $sections " == *" tiny_copy "* ]] && tiny_pair tiny_copy generation.backend=fast
+[[ " $sections " == *" tiny_copy "* ]] && tiny_pair tiny_copy generation.backend=compiled
 
 qwen=(--config configs/qwen_grpo.yaml model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer
       dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null max_steps=2
@@ -63,7 +63,7 @@ run_qwen() {  # name, overrides...
 }
 if [[ " $sections " == *" qwen "* ]]; then
     run_qwen copy_compiled                                                  # the default: rollout copy
-    run_qwen gathered_fast generation.backend=fast generation.rollout_copy=false
+    run_qwen gathered_fast generation.backend=compiled generation.rollout_copy=false
     [[ -n "${WITH_EAGER:-}" ]] && run_qwen gathered_eager generation.backend=eager
 fi
 for f in "$out"/*.log; do grep -m3 -H "Error\|Traceback" "$f"; done

@@ -6,7 +6,7 @@ import torch
 
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
-from logitless.rl.generation import generate
+from logitless.rl.rollout.eager import generate
 from logitless.rl.shared_batch import FLEX_LENGTH_MULTIPLE, shared_batch
 
 pytestmark = [pytest.mark.gpu,

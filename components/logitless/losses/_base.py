@@ -9,14 +9,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from logitless.modules import HeadInput, wrap_output_head
+from logitless.modules import HeadInput, unwrap_compiled, wrap_output_head
 
 ModelOutput = Union[HeadInput, torch.Tensor, Sequence[torch.Tensor]]
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module under a ``torch.compile`` wrapper (``OptimizedModule``), or ``model`` itself."""
-    return getattr(model, "_orig_mod", model)
 
 
 class HeadLoss(nn.Module):

@@ -8,6 +8,7 @@ from logitless.modules.prompt_sharing import (
     gather_predicting_rows,
     pack_groups,
 )
+from logitless.modules.unwrap import unwrap_compiled
 
 __all__ = [
     "HeadInput",
@@ -18,5 +19,6 @@ __all__ = [
     "head_weight",
     "pack_groups",
     "shift_labels",
+    "unwrap_compiled",
     "wrap_output_head",
 ]

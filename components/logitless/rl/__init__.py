@@ -6,12 +6,11 @@ Example:
 
 from logitless.rl.advantages import group_advantages
 from logitless.rl.batch import PolicyBatch, policy_batch, policy_forward
-from logitless.rl.generation import Rollout, generate, left_pad
 from logitless.rl.reference import ReferencePolicy, build_reference
 from logitless.rl.rewards import (
     RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format, math_correctness,
 )
-from logitless.rl.sampling import sample_next
+from logitless.rl.rollout import Rollout, generate, left_pad, sample_next
 from logitless.rl.shared_batch import SharedGroupBatch, shared_batch, training_batch
 from logitless.rl.update import grpo_update
 

@@ -17,8 +17,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from logitless.modules.head import HeadInput
-from logitless.rl.generation import Rollout
+from logitless.modules import HeadInput, unwrap_compiled
+from logitless.rl.rollout.result import Rollout
 
 
 @dataclass
@@ -97,7 +97,7 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
     """Builds the training inputs of a rollout.
 
     Args:
-        rollout (Rollout): from :func:`logitless.rl.generation.generate`.
+        rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`).
         ignore_index (int): label of positions without a log-prob.
 
     Returns:
@@ -105,7 +105,6 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
 
     Example:
         >>> from logitless.modules.head import HeadInput
-from logitless.rl.generation import Rollout
         >>> r = Rollout(torch.tensor([[0, 5]]), torch.tensor([[False, True]]), torch.tensor([[7, 2]]),
         ...             torch.tensor([[True, True]]), torch.tensor([False]), torch.zeros(1, 2), 1)
         >>> policy_batch(r).labels.tolist()
@@ -147,7 +146,7 @@ def policy_forward(model: nn.Module, batch: PolicyBatch):
     Returns:
         Whatever the model returns in its current output mode (a ``HeadInput`` for GRPOLoss).
     """
-    inner = getattr(model, "_orig_mod", model)
+    inner = unwrap_compiled(model)
     if inner.caches_are_setup():
         raise RuntimeError("the model still has KV caches set up; training forwards need them deleted "
                            "(torchtune.modules.common_utils.delete_kv_caches) to stay causal")

@@ -45,8 +45,7 @@ from logitless.rl.preflight import check_generation, check_stop_tokens, fit_prom
 from logitless.rl.reference import build_reference
 from logitless.rl.reward_models import place_reward_models
 from logitless.rl.rewards import build_reward_specs, compute_rewards
-from logitless.rl.samplers import SAMPLER_KEYS, build_sampler, uses_rollout_copy
-from logitless.rl.sampling import prompt_generators
+from logitless.rl.rollout import SAMPLER_KEYS, build_sampler, prompt_generators, uses_rollout_copy
 from logitless.rl.shared_batch import (ATTENTION_SETTINGS, PROMPT_SHARING, flex_available, packed_length,
                                        packing_attention, training_batch, use_prompt_sharing)
 from logitless.rl.update import grpo_update

@@ -15,9 +15,9 @@ from typing import Iterator, List, Optional
 import torch
 from torch import nn
 
-from logitless.modules.head import HeadInput
+from logitless.modules import HeadInput, unwrap_compiled
 from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups, segment_mask
-from logitless.rl.generation import Rollout
+from logitless.rl.rollout.result import Rollout
 
 ATTENTION = ("sdpa", "flex")
 #: ``prompt_sharing_attention`` in a config: ``auto`` chooses per step (:func:`packing_attention`).
@@ -118,7 +118,7 @@ class SharedGroupBatch:
         from logitless.rl.batch import policy_forward
 
         length = self.packed_length()
-        inner = getattr(model, "_orig_mod", model)
+        inner = unwrap_compiled(model)
         limit = getattr(inner, "max_seq_len", None)
         if limit is not None and length > limit:
             raise ValueError(f"prompt_sharing: the packed groups are {length} tokens long (longest "
@@ -205,7 +205,7 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
     """Groups a rollout's rows (contiguous groups of G) and strips each prompt's left padding.
 
     Args:
-        rollout (Rollout): from :func:`logitless.rl.generation.generate` (N = prompts x G rows).
+        rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`) (N = prompts x G rows).
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
         attention (str): ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.

@@ -1,19 +1,17 @@
 import pytest
 import torch
 
-from logitless.rl import fast_generation
-from logitless.rl.generation import generate
-from logitless.rl.samplers import build_sampler, uses_rollout_copy
+from logitless.rl.rollout import CompiledSampler, build_sampler, generate, uses_rollout_copy
 
 
 def test_backend_selection():
     assert build_sampler({"backend": "auto"}, torch.device("cpu")) == (generate, generate)
     assert build_sampler({}, torch.device("cpu"))[0] is generate
-    train, evaluation = build_sampler({"backend": "fast", "compile": False, "sync_every": 4}, torch.device("cpu"))
-    assert isinstance(train, fast_generation.FastGenerator) and isinstance(evaluation, fast_generation.FastGenerator)
+    train, evaluation = build_sampler({"backend": "compiled", "compile": False, "sync_every": 4}, torch.device("cpu"))
+    assert isinstance(train, CompiledSampler) and isinstance(evaluation, CompiledSampler)
     assert train is not evaluation  # separate buffers: eval batches have another size
     train_cuda, _ = build_sampler({"backend": "auto", "compile": False}, torch.device("cuda"))
-    assert isinstance(train_cuda, fast_generation.FastGenerator)
+    assert isinstance(train_cuda, CompiledSampler)
 
 
 def test_unknown_backend_is_rejected():
@@ -24,24 +22,24 @@ def test_unknown_backend_is_rejected():
 def test_sharded_policies_without_a_rollout_copy_sample_eagerly_and_uncompiled():
     no_copy = {"rollout_copy": False}
     assert build_sampler({"backend": "auto", **no_copy}, torch.device("cuda"), sharded=True) == (generate, generate)
-    fast, _ = build_sampler({"backend": "fast", **no_copy}, torch.device("cuda"), sharded=True)
+    fast, _ = build_sampler({"backend": "compiled", **no_copy}, torch.device("cuda"), sharded=True)
     assert fast.compile is False
     with pytest.raises(ValueError, match="generation.compile: true is not supported with FSDP"):
-        build_sampler({"backend": "fast", "compile": True, **no_copy}, torch.device("cuda"), sharded=True)
+        build_sampler({"backend": "compiled", "compile": True, **no_copy}, torch.device("cuda"), sharded=True)
 
 
 def test_sharded_policies_on_cuda_sample_a_rollout_copy_like_one_device():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     # auto: a copy with the fast backend on CUDA, then the sampler is the one-device one (compiled)
     assert uses_rollout_copy({}, cuda, sharded=True)
-    assert uses_rollout_copy({"backend": "fast"}, cuda, sharded=True)
+    assert uses_rollout_copy({"backend": "compiled"}, cuda, sharded=True)
     assert not uses_rollout_copy({"backend": "eager"}, cuda, sharded=True)
     assert not uses_rollout_copy({}, cpu, sharded=True)
     assert not uses_rollout_copy({"rollout_copy": True}, cuda, sharded=False)  # one device: nothing to copy
     assert uses_rollout_copy({"rollout_copy": True, "backend": "eager"}, cpu, sharded=True)
     train, _ = build_sampler({"backend": "auto"}, cuda, sharded=True)
-    assert isinstance(train, fast_generation.FastGenerator) and train.compile is None  # None: on CUDA
-    train, _ = build_sampler({"backend": "fast", "compile": True}, cuda, sharded=True)
+    assert isinstance(train, CompiledSampler) and train.compile is None  # None: on CUDA
+    train, _ = build_sampler({"backend": "compiled", "compile": True}, cuda, sharded=True)
     assert train.compile is True
     with pytest.raises(ValueError, match="generation.rollout_copy must be one of"):
         uses_rollout_copy({"rollout_copy": "yes"}, cuda, sharded=True)
@@ -52,11 +50,11 @@ def test_sharded_policies_on_cuda_sample_a_rollout_copy_like_one_device():
         uses_rollout_copy({"rollout_copy": True}, cuda, sharded=True, cpu_offload=True)
 
 
-@pytest.mark.parametrize("sampler", [generate, fast_generation.FastGenerator(compile=False)], ids=["eager", "fast"])
+@pytest.mark.parametrize("sampler", [generate, CompiledSampler(compile=False)], ids=["eager", "fast"])
 def test_per_prompt_streams_make_a_groups_completions_independent_of_the_batch(sampler):
     """What lets data-parallel ranks sample their share of the prompts and get the one-device rollout."""
     from logitless.models import qwen2_5_tiny
-    from logitless.rl.sampling import prompt_generators
+    from logitless.rl.rollout.sampling import prompt_generators
 
     torch.manual_seed(0)
     model = qwen2_5_tiny(vocab_size=64, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
@@ -77,3 +75,32 @@ def test_per_prompt_streams_make_a_groups_completions_independent_of_the_batch(s
     assert not torch.equal(other_step.completion_tokens, whole.completion_tokens)
     with pytest.raises(ValueError, match=r"expected one torch.Generator per prompt \(4\), got a sequence of 2"):
         sampler(model, prompts, generator=prompt_generators(7, 2, range(2)), **kw)
+
+
+def test_former_backend_name_fast_still_works_with_a_future_warning():
+    with pytest.warns(FutureWarning, match="'fast' is now 'compiled'"):
+        train, _ = build_sampler({"backend": "fast", "compile": False}, torch.device("cpu"))
+    assert isinstance(train, CompiledSampler)
+    with pytest.warns(FutureWarning, match="'fast' is now 'compiled'"):
+        assert uses_rollout_copy({"backend": "fast"}, torch.device("cuda"), sharded=True)
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("generation", "eager", "generate"), ("fast_generation", "compiled", "CompiledSampler"),
+    ("samplers", "builder", "build_sampler"), ("sampling", "sampling", "prompt_generators"),
+])
+def test_former_module_paths_still_import_with_a_future_warning(old, new, name):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"logitless.rl.{old}", None)  # the warning is raised at import
+    with pytest.warns(FutureWarning, match=f"logitless.rl.{old} moved to logitless.rl.rollout.{new}"):
+        module = importlib.import_module(f"logitless.rl.{old}")
+    assert getattr(module, name) is getattr(importlib.import_module(f"logitless.rl.rollout.{new}"), name)
+
+
+def test_former_class_name_fast_generator_is_the_compiled_sampler():
+    from logitless.rl.rollout import compiled
+
+    with pytest.warns(FutureWarning, match="FastGenerator is now logitless.rl.rollout.CompiledSampler"):
+        assert compiled.FastGenerator is CompiledSampler

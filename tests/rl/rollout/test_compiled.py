@@ -8,9 +8,9 @@ from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
 
 import logitless
 from logitless.modules import wrap_output_head
-from logitless.rl import fast_generation
-from logitless.rl.fast_generation import FastGenerator, generate as fast_generate
-from logitless.rl.generation import generate as eager_generate
+from logitless.rl.rollout import compiled
+from logitless.rl.rollout.compiled import CompiledSampler, generate as fast_generate
+from logitless.rl.rollout.eager import generate as eager_generate
 
 VOCAB = 97
 NEVER = [-1]  # a stop id no sampler can produce: completions run to max_new_tokens
@@ -58,14 +58,14 @@ def completions(rollout):
 
 
 def uncompiled(**kw):
-    return FastGenerator(compile=False, **kw)
+    return CompiledSampler(compile=False, **kw)
 
 
 @pytest.mark.parametrize("tied,lora", [(True, False), (False, False), (False, True)])
 def test_greedy_equals_reference_sampler_and_naive_loop(tied, lora):
     model = tiny(tied=tied, lora=lora).eval()
     kw = dict(max_new_tokens=9, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=1.0, top_k=1)
-    assert all(fast_generation._groupable(layer) for layer in model.layers)  # grouped path runs
+    assert all(compiled._groupable(layer) for layer in model.layers)  # grouped path runs
     fast = uncompiled(cache_len_multiple=7)(model, PROMPTS, **kw)
     ref = eager_generate(model, PROMPTS, **kw)
     ungrouped = uncompiled(grouped_attention=False)(model, PROMPTS, **kw)
@@ -99,7 +99,7 @@ def test_attention_output_in_sequence_major_layout(monkeypatch):
         out = sdpa(*args, **kwargs)
         return out.transpose(1, 2).contiguous().transpose(1, 2)
 
-    monkeypatch.setattr(fast_generation.F, "scaled_dot_product_attention", sequence_major)
+    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", sequence_major)
     model = tiny(kv_heads=2).eval()
     out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
     assert completions(out) == [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
@@ -122,7 +122,7 @@ def test_layers_with_hooks_are_called_as_modules():
     expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
     calls = []
     model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
-    assert not fast_generation._groupable(model.layers[1]) and fast_generation._groupable(model.layers[0])
+    assert not compiled._groupable(model.layers[1]) and compiled._groupable(model.layers[0])
     out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
     assert completions(out) == expected
     assert calls == [5, 1, 1, 1]  # the prefill (width 5), then one call per decode step
@@ -130,13 +130,13 @@ def test_layers_with_hooks_are_called_as_modules():
 
 def test_activation_checkpointing_is_skipped_when_decoding():
     """No-grad decoding keeps no activations: the checkpoint wrapper is stepped past (same tokens)."""
-    from logitless.rl.generation import decoding_layer
+    from logitless.rl.rollout.trunk import decoding_layer
     from logitless.training.model import apply_activation_checkpointing
 
     model = tiny().eval()
     expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
     apply_activation_checkpointing(model)
-    assert all(decoding_layer(layer) is not layer and fast_generation._groupable(decoding_layer(layer))
+    assert all(decoding_layer(layer) is not layer and compiled._groupable(decoding_layer(layer))
                for layer in model.layers)
     for sampler in (uncompiled(), eager_generate):
         out = sampler(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
@@ -215,9 +215,9 @@ def test_training_forward_is_causal_after_generation_even_on_error(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("sampling failed")
 
-    monkeypatch.setattr(fast_generation, "sample_next", boom)
+    monkeypatch.setattr(compiled, "sample_next", boom)
     with pytest.raises(RuntimeError, match="sampling failed"):
-        FastGenerator(compile=False, keep_cache=True)(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER,
+        CompiledSampler(compile=False, keep_cache=True)(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER,
                                                       pad_id=0)
     assert model.training and not model.caches_are_setup()
     assert not any(getattr(m, "cache_enabled", False) for m in model.modules())
@@ -232,7 +232,7 @@ def test_compiled_step_matches_uncompiled_and_is_reused():
     model = tiny().eval()
     kw = dict(max_new_tokens=6, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
     # aot_eager functionalises the in-place cache updates as inductor does, without a C++ build
-    sampler = FastGenerator(compile=True, backend="aot_eager", cache_len_multiple=16)
+    sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16)
     first = sampler(model, PROMPTS, **kw)
     assert counters["stats"]["unique_graphs"] == 1  # fullgraph: the whole step is one graph
     assert torch.equal(first.completion_tokens, uncompiled()(model, PROMPTS, **kw).completion_tokens)
@@ -251,9 +251,9 @@ def test_module_generate_reuses_one_sampler_per_model():
     model = tiny().eval()
     kw = dict(max_new_tokens=3, stop_tokens=NEVER, pad_id=0, temperature=0, compile=False)
     fast_generate(model, PROMPTS, **kw)
-    sampler = fast_generation._SAMPLERS[model]
+    sampler = compiled._SAMPLERS[model]
     out = fast_generate(model, PROMPTS, **kw)
-    assert fast_generation._SAMPLERS[model] is sampler
+    assert compiled._SAMPLERS[model] is sampler
     assert completions(out) == [naive_greedy(model, p, 3, NEVER) for p in PROMPTS]
 
 
@@ -281,13 +281,13 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        FastGenerator(**kwargs)
+        CompiledSampler(**kwargs)
 
 
 def test_refuses_model_with_caches_and_too_small_cache():
     model = tiny()
     with pytest.raises(ValueError, match="max_cache_len"):
-        FastGenerator(compile=False, max_cache_len=6)(model, PROMPTS, max_new_tokens=4, stop_tokens=[0],
+        CompiledSampler(compile=False, max_cache_len=6)(model, PROMPTS, max_new_tokens=4, stop_tokens=[0],
                                                       pad_id=0)
     model.setup_caches(1, torch.float32, decoder_max_seq_len=8)
     with pytest.raises(ValueError, match="already set up"):

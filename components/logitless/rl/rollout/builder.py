@@ -1,0 +1,122 @@
+"""Which sampler a GRPO recipe uses, chosen in YAML (``generation.backend``): eager or compiled."""
+
+import warnings
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from logitless.rl.rollout.compiled import CompiledSampler
+from logitless.rl.rollout.eager import generate
+
+#: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
+SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy")
+BACKENDS = ("auto", "eager", "compiled")
+#: Former backend names, still accepted with a FutureWarning.
+RENAMED_BACKENDS = {"fast": "compiled"}
+ROLLOUT_COPY = ("auto", True, False)
+
+
+def sampler_backend(options: Dict[str, Any]) -> str:
+    """``generation.backend`` checked, with a former name mapped to its current one.
+
+    Args:
+        options (Dict[str, Any]): the sampler keys of ``generation:``.
+
+    Returns:
+        str: one of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: an unknown backend.
+
+    Example:
+        >>> sampler_backend({})
+        'auto'
+    """
+    backend = options.get("backend", "auto")
+    if backend in RENAMED_BACKENDS:
+        warnings.warn(f"generation.backend: {backend!r} is now {RENAMED_BACKENDS[backend]!r}; the old name will be "
+                      f"removed", FutureWarning, stacklevel=3)
+        return RENAMED_BACKENDS[backend]
+    if backend not in BACKENDS:
+        raise ValueError(f"generation.backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded: bool,
+                      cpu_offload: bool = False) -> bool:
+    """Whether a sharded policy is sampled through an unsharded copy (``generation.rollout_copy``).
+
+    Under FSDP2 the gathered weights get new storage at every gather, which the compiled sampler's
+    captured CUDA graph cannot follow. A persistent unsharded copy of the policy, refreshed from
+    the shards before each sampling phase (:meth:`Runtime.copy_full_weights`), keeps one storage,
+    so the compiled sampler runs as on one GPU. The cost is one full copy of the policy per rank
+    for the whole run, instead of only while sampling. ``auto`` uses the copy with the compiled
+    backend on CUDA, unless FSDP's CPU offload is on: that run saves GPU memory, and its CPU shards
+    cannot be gathered into a GPU copy. The option is ignored on one device.
+
+    Args:
+        options (Dict[str, Any]): the sampler keys of ``generation:``.
+        device (torch.device): where the policy lives.
+        sharded (bool): the policy is FSDP2-sharded.
+        cpu_offload (bool): FSDP2 keeps the shards on the CPU (``fsdp_cpu_offload``).
+
+    Returns:
+        bool: sample through a copy.
+
+    Raises:
+        ValueError: an unknown value, or ``true`` with CPU offload.
+    """
+    choice = options.get("rollout_copy", "auto")
+    if choice not in ROLLOUT_COPY:
+        raise ValueError(f"generation.rollout_copy must be one of {ROLLOUT_COPY}, got {choice!r}")
+    if not sharded:
+        return False
+    if cpu_offload:
+        if choice is True:
+            raise ValueError("generation.rollout_copy: true does not work with fsdp_cpu_offload: true (the "
+                             "shards live on the CPU); use rollout_copy: auto or false")
+        return False
+    if choice == "auto":
+        return sampler_backend(options) in ("auto", "compiled") and device.type == "cuda"
+    return bool(choice)
+
+
+def build_sampler(options: Dict[str, Any], device: torch.device, *,
+                  sharded: bool = False, cpu_offload: bool = False) -> Tuple[Callable, Callable]:
+    """Returns ``(train_sampler, eval_sampler)``, both with :func:`logitless.rl.rollout.eager.generate`'s call.
+
+    Args:
+        options (Dict[str, Any]): ``backend`` (``"auto"``: compiled on CUDA, eager elsewhere |
+            ``"eager"`` | ``"compiled"``; ``"fast"`` is its former name), and for ``compiled``:
+            ``compile`` (default: on CUDA), ``max_cache_len`` (one cache length, so one compilation,
+            for the whole run) and ``sync_every``.
+        device (torch.device): where the policy lives.
+        sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
+            the samplers see that unsharded copy and behave as on one device. Without it they run on
+            the weights gathered for the call (``Runtime.full_weights``), which get new storage at
+            every gather, which a captured CUDA graph cannot follow. Then ``auto`` means ``eager``
+            and ``compiled`` runs uncompiled (``compile: true`` is refused).
+        cpu_offload (bool): FSDP2 keeps the shards on the CPU (no rollout copy then).
+
+    Returns:
+        Tuple[Callable, Callable]: the sampler of the training rollouts and the one of the greedy
+        evaluation (a separate compiled sampler: another batch size would re-capture the CUDA graph).
+
+    Example:
+        >>> sample, sample_eval = build_sampler({"backend": "eager"}, torch.device("cpu"))
+    """
+    backend = sampler_backend(options)
+    if uses_rollout_copy(options, device, sharded=sharded, cpu_offload=cpu_offload):
+        sharded = False  # the samplers run on the unsharded copy
+    if sharded and options.get("compile"):
+        raise ValueError("generation.compile: true is not supported with FSDP without a rollout copy (the "
+                         "gathered weights move between steps, which CUDA graphs cannot follow); use "
+                         "rollout_copy: true, compile: false or backend: eager")
+    if backend == "auto":
+        backend = "compiled" if device.type == "cuda" and not sharded else "eager"
+    if backend == "eager":
+        return generate, generate
+    kwargs = {k: options[k] for k in ("compile", "max_cache_len", "sync_every") if options.get(k) is not None}
+    if sharded:
+        kwargs["compile"] = False
+    return CompiledSampler(**kwargs), CompiledSampler(**kwargs)

@@ -1,0 +1,488 @@
+"""The compiled sampler: shared-prompt prefill, static KV caches, a compiled decode step.
+
+Same inputs, outputs and sampling semantics as :func:`logitless.rl.rollout.eager.generate` (the eager
+reference sampler), four differences in how the work is done:
+
+1. **Prefill once per group.** The P distinct prompts are prefilled as a batch of P (not P x G);
+   each prompt's key/value cache entries are then copied into its G decode rows. A group's rows
+   hold identical prompt entries, so decoding is unchanged and the prefill costs G times less.
+2. **Static caches, fixed shapes.** The decode caches are torchtune ``KVCache`` modules of a fixed
+   ``[N, kv_heads, L, head_dim]`` (``N = P x G``, ``L`` = prompt width + new tokens rounded up to
+   ``cache_len_multiple``, or ``max_cache_len``). Every decode step runs the full batch; finished
+   rows keep decoding ``pad_id`` and are masked. All step inputs (token, position, cache column,
+   key mask, head weight) live in persistent buffers updated in place, so the step's shapes and
+   addresses never change and it can be captured as a CUDA graph.
+3. **Compiled decode step.** ``torch.compile`` of the trunk + final norm + head projection of the
+   last position (``mode="reduce-overhead"`` on CUDA: CUDA graphs; one graph, no breaks).
+   Sampling (``rollout.sampling``) runs eagerly on the ``[N, V]`` logits so that a user
+   ``torch.Generator`` is honoured. The loop does not synchronise with the host except for an
+   "all rows finished?" check every ``sync_every`` steps.
+4. **Grouped-query decode attention.** torchtune's attention copies K/V once per query head
+   before SDPA (7x the cache for Qwen2.5-0.5B, every layer and step); the decode step instead
+   folds the query heads that share a K/V head into SDPA's query axis (same result, the cache is
+   read once). ``grouped_attention=False`` keeps torchtune's layers as they are.
+
+Only ``[rows, V]`` logits of one position ever exist. The caches are attached to the model only
+inside the call and detached on exit, even on error: a torchtune 0.6.1 model with caches set up but
+disabled attends bidirectionally when called without a mask.
+"""
+
+import warnings
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from logitless.rl.rollout.result import Rollout, left_pad
+from logitless.rl.rollout.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
+from logitless.rl.rollout.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
+
+__all__ = ["CompiledSampler", "generate"]
+
+
+def _attention_modules(model: nn.Module) -> List[nn.Module]:
+    """The self-attention modules of a torchtune decoder, in layer order."""
+    from torchtune.modules import MultiHeadAttention
+
+    attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not attns:
+        raise ValueError(f"model must be a torchtune TransformerDecoder with MultiHeadAttention layers, "
+                         f"got {type(model).__name__} without any")
+    return attns
+
+
+def _new_caches(attns: Sequence[nn.Module], batch: int, length: int, dtype: torch.dtype,
+                device: torch.device) -> List[nn.Module]:
+    """One preallocated torchtune ``KVCache`` per attention module."""
+    from torchtune.modules import KVCache
+
+    with device:
+        return [KVCache(batch_size=batch, max_seq_len=length, num_kv_heads=a.num_kv_heads,
+                        head_dim=a.head_dim, dtype=dtype) for a in attns]
+
+
+def _attach(attns: Sequence[nn.Module], caches: Sequence[nn.Module]) -> None:
+    for attn, cache in zip(attns, caches):
+        attn.kv_cache = cache
+        attn.cache_enabled = True
+
+
+def _detach(attns: Sequence[nn.Module]) -> None:
+    # same end state as torchtune's delete_kv_caches: no cache, so the model is causal again
+    for attn in attns:
+        attn.kv_cache = None
+        attn.cache_enabled = False
+
+
+def _groupable(layer: nn.Module) -> bool:
+    """True for a torchtune self-attention layer whose parts may be called directly: a plain one
+    without hooks, or an FSDP2 unit with its weights gathered (its hooks are FSDP's bookkeeping);
+    ``layer`` is already past activation checkpointing (:func:`decoding_layer`)."""
+    from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
+
+    if type(layer.attn) is not MultiHeadAttention or layer.attn._forward_hooks or layer.attn._forward_pre_hooks:
+        return False
+    if _gathered_fsdp_unit(layer):
+        return isinstance(layer, TransformerSelfAttentionLayer)
+    return type(layer) is TransformerSelfAttentionLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """torchtune's cached self-attention without expanding K/V to every query head.
+
+    ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
+    and step before SDPA. Here the query heads that share a K/V head are folded into the query
+    length instead (query head ``h`` reads K/V head ``h // group``, torchtune's order), so SDPA
+    reads the cache once; the result is the same attention.
+    """
+    b, s, _ = x.shape
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = attn.q_proj(x).view(b, s, heads, dim)
+    k = attn.k_proj(x).view(b, s, kv_heads, dim)
+    v = attn.v_proj(x).view(b, s, kv_heads, dim)
+    if attn.pos_embeddings is not None:
+        q = attn.pos_embeddings(q, input_pos=input_pos)
+        k = attn.pos_embeddings(k, input_pos=input_pos)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    k, v = attn.kv_cache.update(k, v)
+    group = heads // kv_heads
+    q = q.reshape(b, kv_heads, group * s, dim)
+    length = mask.shape[-1]
+    mask = mask[:, None, None].expand(b, 1, group, s, length).reshape(b, 1, group * s, length)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # reshape, not view: some SDPA kernels (fp32 on CUDA) return a (B, L, H, D) memory layout.
+    return attn.output_proj(out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim))
+
+
+def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
+                grouped: bool) -> torch.Tensor:
+    """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin."""
+    layer = decoding_layer(layer)
+    if not (grouped and _groupable(layer)):
+        return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
+    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask)) + h
+    return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
+
+
+def _decode_step(model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, col: torch.Tensor,
+                 key_valid: torch.Tensor, weight: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+    """One decode step of the whole batch at cache column ``col`` (a ``(1,)`` tensor, not an int,
+    so the compiled step is the same graph at every column): ``(N, V)`` fp32 logits."""
+    cols = torch.arange(key_valid.shape[1], device=key_valid.device)
+    mask = key_valid[:, None, :] & (cols <= col)
+    return last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight,
+                                run_layer=lambda layer, h: _layer_step(layer, h, input_pos, mask, grouped))
+
+
+def _prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, P, P)`` causal mask hiding left padding; a padded query row attends to itself only,
+    or SDPA would return NaN for it."""
+    width = prompt_mask.shape[1]
+    eye = torch.eye(width, dtype=torch.bool, device=prompt_mask.device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
+    return (causal[None] & prompt_mask[:, None, :]) | eye[None]
+
+
+def _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k, top_p) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+    if len(stop_tokens) == 0:
+        raise ValueError("stop_tokens must hold at least one token id (e.g. the tokenizer's eos_id)")
+    check_sampling_args(temperature, top_k, top_p)
+
+
+class CompiledSampler:
+    """Sampler with shared-prompt prefill, static KV caches and a compiled decode step.
+
+    Keep one instance per model for a training run: it holds the compiled step and, when
+    ``keep_cache`` is on, the cache and step buffers, so that later calls of the same shape reuse the
+    compiled code and the captured CUDA graph (new buffer addresses would force a re-capture).
+
+    Args:
+        compile (Optional[bool]): compile the decode step; None = on CUDA only.
+        backend (Union[str, Callable]): ``torch.compile`` backend ("inductor"; "eager"/"aot_eager"
+            for CPU tests).
+        mode (Optional[str]): ``torch.compile`` mode; None = "reduce-overhead" (CUDA graphs) on CUDA
+            with inductor, else the default mode.
+        sync_every (int): steps between "all rows finished?" checks (the loop's only host syncs).
+        cache_len_multiple (int): the cache length is the prompt width + ``max_new_tokens`` rounded up
+            to this, so calls with similar prompt widths share one compiled graph.
+        max_cache_len (Optional[int]): fixed cache length for every call (one graph for a whole run;
+            set it to the longest prompt + ``max_new_tokens``); overrides ``cache_len_multiple``.
+        keep_cache (Optional[bool]): keep the cache and step buffers between calls (detached from
+            the model); None = whenever the step is compiled. ``release()`` frees them.
+        grouped_attention (bool): decode with grouped-query attention that reads each K/V head
+            once (default); False runs torchtune's layers as they are (K/V copied per query head).
+
+    Example:
+        >>> from logitless.models import qwen2_5_tiny
+        >>> sampler = CompiledSampler(compile=False)
+        >>> out = sampler(qwen2_5_tiny(), [[1, 2, 3], [4]], max_new_tokens=5, stop_tokens=[0],
+        ...               pad_id=0, num_generations=2)
+        >>> out.completion_tokens.shape[0]
+        4
+    """
+
+    def __init__(self, *, compile: Optional[bool] = None, backend: Union[str, Callable] = "inductor",
+                 mode: Optional[str] = None, sync_every: int = 16, cache_len_multiple: int = 256,
+                 max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
+                 grouped_attention: bool = True) -> None:
+        if compile is not None and not isinstance(compile, bool):
+            raise ValueError(f"compile must be None, True or False, got {compile!r}")
+        if not (callable(backend) or (isinstance(backend, str) and backend)):
+            raise ValueError(f"backend must be a torch.compile backend (name or callable), got {backend!r}")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not isinstance(cache_len_multiple, int) or cache_len_multiple < 1:
+            raise ValueError(f"cache_len_multiple must be an int >= 1, got {cache_len_multiple!r}")
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 2):
+            raise ValueError(f"max_cache_len must be None or an int >= 2, got {max_cache_len!r}")
+        self.compile = compile
+        self.backend = backend
+        self.mode = mode
+        self.sync_every = sync_every
+        self.cache_len_multiple = cache_len_multiple
+        self.max_cache_len = max_cache_len
+        if not isinstance(grouped_attention, bool):
+            raise ValueError(f"grouped_attention must be True or False, got {grouped_attention!r}")
+        self.keep_cache = keep_cache
+        self.grouped_attention = grouped_attention
+        self._compiled = None
+        self._state: Optional[Dict[str, object]] = None
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _use_compile(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else self.compile
+
+    def _step_fn(self, device: torch.device):
+        if not self._use_compile(device):
+            return _decode_step
+        if self._compiled is None:
+            mode = self.mode
+            if mode is None and device.type == "cuda" and self.backend == "inductor":
+                mode = "reduce-overhead"
+            # not fullgraph: a graph break on another torch version costs speed, not the run
+            # (tests/rl/rollout/test_compiled.py checks the step is one graph)
+            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, dynamic=False)
+        return self._compiled
+
+    def _cache_len(self, width: int, max_new_tokens: int) -> int:
+        need = width + max_new_tokens
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise ValueError(f"max_new_tokens: prompt width {width} + max_new_tokens {max_new_tokens} "
+                                 f"exceeds max_cache_len={self.max_cache_len}")
+            return self.max_cache_len
+        m = self.cache_len_multiple
+        return -(-need // m) * m
+
+    def _buffers(self, attns, rows: int, length: int, dtype, device, weight: torch.Tensor) -> Dict[str, object]:
+        """The decode caches and step inputs, reused while the shape is unchanged."""
+        key = (rows, length, dtype, device, len(attns), tuple(weight.shape), weight.dtype)
+        if self._state is not None and self._state["key"] == key:
+            return self._state
+        self._state = None  # drop the old buffers before allocating new ones
+        state = {
+            "key": key,
+            "caches": _new_caches(attns, rows, length, dtype, device),
+            "tokens": torch.zeros(rows, 1, dtype=torch.long, device=device),
+            "input_pos": torch.zeros(rows, 1, dtype=torch.long, device=device),
+            "col": torch.zeros(1, dtype=torch.long, device=device),
+            "key_valid": torch.zeros(rows, length, dtype=torch.bool, device=device),
+            "weight": None if isinstance(weight, nn.Parameter) else torch.empty_like(weight),
+        }
+        # fixed addresses: CUDA graphs read these in place instead of copying them every replay
+        static = [state["tokens"], state["input_pos"], state["col"], state["key_valid"]]
+        static += [t for c in state["caches"] for t in (c.k_cache, c.v_cache, c.cache_pos)]
+        static.append(weight if state["weight"] is None else state["weight"])
+        for t in static:
+            torch._dynamo.mark_static_address(t)
+        self._state = state
+        return state
+
+    def release(self) -> None:
+        """Frees the kept cache and step buffers (the compiled step stays)."""
+        self._state = None
+
+    # --------------------------------------------------------------------------------------- phases
+    def _prefill(self, model, attns, tokens, prompt_mask, weight, dtype) -> Tuple[torch.Tensor, list]:
+        """Runs the distinct prompts once; returns last-position logits ``(P, V)`` and their caches."""
+        rows, width = tokens.shape
+        caches = _new_caches(attns, rows, width, dtype, tokens.device)
+        _attach(attns, caches)
+        try:
+            positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+            logits = last_position_logits(model, tokens, input_pos=positions, mask=_prefill_mask(prompt_mask),
+                                          weight=weight)
+        finally:
+            _detach(attns)
+        return logits, caches
+
+    @staticmethod
+    def _replicate(small: Sequence[nn.Module], big: Sequence[nn.Module], groups: int, width: int) -> None:
+        """Copies each prompt's cache entries into its ``groups`` consecutive decode rows and points
+        the caches' write position at column ``width`` (the first completion token)."""
+        for src, dst in zip(small, big):
+            rows, heads, length, dim = dst.k_cache.shape
+            for name in ("k_cache", "v_cache"):
+                out = getattr(dst, name)
+                out.zero_()  # stale columns from a previous call: masked, but keep them finite
+                view = out.view(rows // groups, groups, heads, length, dim)
+                view[..., :width, :].copy_(getattr(src, name)[:, None])
+            dst.cache_pos.copy_(torch.arange(length, device=dst.cache_pos.device) + width)
+
+    # ------------------------------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        model: nn.Module,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop_tokens: Sequence[int],
+        pad_id: int,
+        num_generations: int = 1,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        generator: RandomSource = None,
+    ) -> Rollout:
+        """Samples ``num_generations`` completions for every prompt.
+
+        Args:
+            model (nn.Module): a torchtune ``TransformerDecoder`` (wrapped or not; LoRA or not)
+                without KV caches set up; switched to ``eval()`` for the call, then restored.
+            prompts (Sequence[Sequence[int]]): token ids of each prompt (unpadded).
+            max_new_tokens (int): completion length limit (>= 1).
+            stop_tokens (Sequence[int]): ids that end a completion (kept in it, and masked-in).
+            pad_id (int): id written after a completion ends and used for left padding.
+            num_generations (int): completions per prompt (G); groups are contiguous.
+            temperature (float): sampling temperature (0 = greedy).
+            top_k (Optional[int]): top-k filter.
+            top_p (Optional[float]): nucleus filter.
+            generator (RandomSource): random source on the model's device: one generator, or one per
+            prompt (:func:`logitless.rl.rollout.sampling.prompt_generators`) so that a group's completions do
+            not depend on the other prompts of the batch.
+
+        Returns:
+            Rollout: as :func:`logitless.rl.rollout.eager.generate` returns it.
+
+        Raises:
+            ValueError: on bad arguments or a model whose caches are already set up.
+        """
+        from logitless.modules import head_weight
+
+        _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k, top_p)
+        check_random_source(generator, len(prompts))
+        if model.caches_are_setup():
+            raise ValueError("model: KV caches are already set up; the fast sampler attaches its own "
+                             "(call torchtune.modules.common_utils.delete_kv_caches(model) first)")
+        attns = _attention_modules(model)
+        param = next(model.parameters())
+        device, dtype = param.device, param.dtype
+        tokens, prompt_mask = left_pad(prompts, pad_id, device)
+        groups = num_generations
+        rows, width = tokens.shape[0] * groups, tokens.shape[1]
+        length = self._cache_len(width, max_new_tokens)
+
+        was_training = model.training
+        model.eval()
+        try:
+            weight = head_weight(model)  # a Parameter (tied/untied head) is used in place
+            state = self._buffers(attns, rows, length, dtype, device, weight)
+            if state["weight"] is not None:  # e.g. a merged LoRA head: copy into the fixed buffer
+                state["weight"].copy_(weight)
+                weight = state["weight"]
+            logits, small = self._prefill(model, attns, tokens, prompt_mask, weight, dtype)
+            self._replicate(small, state["caches"], groups, width)
+            del small
+            full_mask = prompt_mask.repeat_interleave(groups, dim=0)
+            _attach(attns, state["caches"])
+            try:
+                out = self._decode(model, state, logits.repeat_interleave(groups, dim=0), full_mask,
+                                   weight, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                                   pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   generator=generator)
+            finally:
+                _detach(attns)
+        finally:
+            model.train(was_training)
+            if not (self._use_compile(device) if self.keep_cache is None else self.keep_cache):
+                self._state = None
+        out_tokens, out_mask, out_logp, done = out
+        steps = max(int(out_mask.sum(dim=1).max()), 1)
+        return Rollout(
+            prompt_tokens=tokens.repeat_interleave(groups, dim=0),
+            prompt_mask=full_mask,
+            completion_tokens=out_tokens[:, :steps],
+            completion_mask=out_mask[:, :steps],
+            truncated=~done,
+            sampler_log_probs=out_logp[:, :steps],
+            num_generations=groups,
+        )
+
+    def _decode(self, model, state, logits, prompt_mask, weight, *, max_new_tokens, stop_tokens, pad_id,
+                temperature, top_k, top_p, generator):
+        """The sampling loop: sample from ``logits``, write the outputs, feed the token back."""
+        device = logits.device
+        rows, width = prompt_mask.shape
+        step = self._step_fn(device)
+        graphs = self._use_compile(device) and device.type == "cuda"
+        tok, pos, col, key_valid = state["tokens"], state["input_pos"], state["col"], state["key_valid"]
+        key_valid.fill_(True)
+        key_valid[:, :width].copy_(prompt_mask)
+        pos.copy_(prompt_mask.sum(dim=1, keepdim=True))
+        col.fill_(width)
+        stops = torch.as_tensor(list(stop_tokens), device=device)
+        pad = torch.full((rows,), pad_id, dtype=torch.long, device=device)
+
+        out_tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        out_mask = torch.zeros((rows, max_new_tokens), dtype=torch.bool, device=device)
+        out_logp = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        for t in range(max_new_tokens):
+            nxt, logp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    generator=generator)
+            live = ~done
+            out_tokens[:, t] = torch.where(live, nxt, pad)
+            out_mask[:, t] = live
+            out_logp[:, t] = torch.where(live, logp, torch.zeros_like(logp))
+            done = done | (live & torch.isin(nxt, stops))
+            if t + 1 == max_new_tokens:
+                break
+            if (t + 1) % self.sync_every == 0 and bool(done.all()):
+                break
+            tok.copy_(out_tokens[:, t:t + 1])
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = None  # the previous step's output buffer is about to be overwritten
+            logits = step(model, tok, pos, col, key_valid, weight, self.grouped_attention)
+            pos.add_(1)
+            col.add_(1)
+        return out_tokens, out_mask, out_logp, done
+
+
+_SAMPLERS: "weakref.WeakKeyDictionary[nn.Module, CompiledSampler]" = weakref.WeakKeyDictionary()
+
+
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_tokens: Sequence[int],
+    pad_id: int,
+    num_generations: int = 1,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: RandomSource = None,
+    **options,
+) -> Rollout:
+    """Drop-in for :func:`logitless.rl.rollout.eager.generate` backed by a per-model :class:`CompiledSampler`.
+
+    The sampler (compiled step, kept buffers) is created on the first call for ``model`` and reused
+    while ``options`` are unchanged, so a training loop gets one compilation.
+
+    Args:
+        model, prompts, max_new_tokens, stop_tokens, pad_id, num_generations, temperature, top_k,
+        top_p, generator: as in :func:`logitless.rl.rollout.eager.generate`.
+        **options: :class:`CompiledSampler` arguments (``compile``, ``backend``, ``mode``,
+            ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``).
+
+    Returns:
+        Rollout: tokens, masks, truncation flags and sampler log-probs.
+
+    Example:
+        >>> from logitless.models import qwen2_5_tiny
+        >>> out = generate(qwen2_5_tiny(), [[1, 2, 3]], max_new_tokens=4, stop_tokens=[0], pad_id=0,
+        ...                num_generations=2, compile=False)
+        >>> out.prompt_tokens.shape
+        torch.Size([2, 3])
+    """
+    sampler = _SAMPLERS.get(model)
+    if sampler is None or getattr(sampler, "_options", None) != options:
+        sampler = CompiledSampler(**options)
+        sampler._options = dict(options)
+        _SAMPLERS[model] = sampler
+    return sampler(model, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
+                   num_generations=num_generations, temperature=temperature, top_k=top_k, top_p=top_p,
+                   generator=generator)
+
+
+def __getattr__(name: str):
+    # the class's former name, kept importable for a while
+    if name == "FastGenerator":
+        warnings.warn("logitless: FastGenerator is now logitless.rl.rollout.CompiledSampler; the old name will be "
+                      "removed", FutureWarning, stacklevel=2)
+        return CompiledSampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

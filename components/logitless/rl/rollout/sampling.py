@@ -1,0 +1,141 @@
+"""Next-token sampling from one row of logits per sequence: temperature, top-k, top-p, greedy.
+
+Random streams: a sampler draws either from one ``torch.Generator`` for the whole batch, or from one
+generator per prompt (:func:`prompt_generators`), each drawing the tokens of its prompt's group only.
+With per-prompt streams a group's completions depend on the seed, the step and the prompt's index,
+not on which other prompts share the batch: the union of the rollouts of several data-parallel
+ranks, each sampling its share of the prompts, is the rollout of one device sampling them all.
+"""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+#: What a sampler accepts as its random source: None (torch's global generator), one generator for
+#: the whole batch, or one generator per prompt (rows split into equal contiguous groups).
+RandomSource = Union[None, torch.Generator, Sequence[torch.Generator]]
+
+
+def prompt_generators(seed: int, step: int, prompt_indices: Sequence[int],
+                      device: Union[str, torch.device] = "cpu") -> list:
+    """One generator per prompt, seeded from ``(seed, step, prompt index)``.
+
+    Args:
+        seed (int): the run's seed.
+        step (int): the training step (or any other counter that must give new samples).
+        prompt_indices (Sequence[int]): the prompts' positions in the step's global batch.
+        device: where the sampler's logits live.
+
+    Returns:
+        list: ``torch.Generator`` objects, one per prompt, in the order of ``prompt_indices``.
+
+    Example:
+        >>> a = prompt_generators(0, 3, [0, 1, 2, 3])
+        >>> b = prompt_generators(0, 3, [2, 3])       # rank 1 of 2 draws the same streams as a[2:]
+        >>> torch.rand(1, generator=a[2]) == torch.rand(1, generator=b[0])
+        tensor([True])
+    """
+    gens = []
+    for index in prompt_indices:
+        # SeedSequence mixes the three integers into a well-spread 64-bit seed (no overflow, no
+        # collisions between neighbouring steps and prompts as a linear formula would risk).
+        key = np.random.SeedSequence([int(seed) % 2**63, int(step), int(index)])
+        gens.append(torch.Generator(device=device).manual_seed(int(key.generate_state(1, np.uint64)[0])))
+    return gens
+
+
+def check_random_source(generator: RandomSource, num_prompts: int) -> None:
+    """Raises ValueError unless ``generator`` is None, a generator, or one generator per prompt."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    if len(generator) != num_prompts:
+        raise ValueError(f"generator: expected one torch.Generator per prompt ({num_prompts}), "
+                         f"got a sequence of {len(generator)}")
+
+
+def _draw(probs: torch.Tensor, generator: RandomSource) -> torch.Tensor:
+    """One token per row of ``probs``; with a sequence of generators, each draws its own rows."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    rows, rest = divmod(probs.shape[0], len(generator))
+    if rest:
+        raise ValueError(f"generator: {len(generator)} generators cannot split {probs.shape[0]} rows "
+                         f"into equal groups")
+    return torch.cat([torch.multinomial(probs[i * rows:(i + 1) * rows], 1, generator=g)
+                      for i, g in enumerate(generator)]).squeeze(-1)
+
+
+def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    """Raises ValueError naming the argument when a sampling setting is out of range.
+
+    Args:
+        temperature (float): 0 (greedy) or in ``[1e-4, 1e4]`` (the head ops' range).
+        top_k (Optional[int]): None or >= 1.
+        top_p (Optional[float]): None or in (0, 1].
+    """
+    # the head ops' range (their temperature is the sampler's): 1/T scales the logits, and below 1e-4
+    # fp32 logits / T overflow to inf and the softmax to NaN
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number in [{MIN_TEMPERATURE}, "
+                         f"{MAX_TEMPERATURE}], got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (0 < float(top_p) <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: RandomSource = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Samples one token per row and returns it with its log-probability.
+
+    The log-probability is that of the full tempered distribution ``log_softmax(logits / T)``
+    (what the training path computes), not of the top-k/top-p truncated one; with
+    ``temperature == 0`` the argmax is taken and the log-probability is at ``T = 1``.
+
+    Args:
+        logits (torch.Tensor): ``(B, V)`` scores of the next token (any float dtype; upcast here).
+        temperature (float): divides the logits; 0 = greedy.
+        top_k (Optional[int]): keep the k most likely tokens.
+        top_p (Optional[float]): keep the smallest set whose probability reaches ``top_p``.
+        generator (RandomSource): random source on the logits' device: one generator, or one per
+            group of rows (``B`` must be a multiple of their number; each draws its own rows).
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: tokens ``(B,)`` int64 and log-probs ``(B,)`` fp32.
+
+    Example:
+        >>> tok, lp = sample_next(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0)
+        >>> tok.tolist()
+        [1]
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled
+    if top_k is not None and top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked strictly above it already reach top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = _draw(probs, generator)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

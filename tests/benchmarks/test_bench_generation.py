@@ -1,0 +1,55 @@
+"""bench_generation.py on the tiny model (CPU smoke test of the GPU benchmark) and its byte count."""
+
+import csv
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark):
+    return load_benchmark("bench_generation")
+
+
+def test_every_sampler_and_mix_runs_and_writes_a_row(bench, tmp_path):
+    out = tmp_path / "gen.csv"
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "8",
+                       "--new-tokens", "6", "--samplers", "compiled,baseline,eager", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["sampler"], r["mix"]) for r in rows] == [(s, m) for s in ("compiled", "baseline", "eager")
+                                                        for m in ("uniform", "mix")]
+    for r in rows:
+        assert r["status"] == "ok" and float(r["tokens_per_s"]) > 0
+        assert int(r["generated"]) == (16 * 6 if r["mix"] == "uniform" else int(r["generated"]))
+        assert 1 <= float(r["mean_len"]) <= 6
+
+
+def test_step_bytes_count_each_weight_once_and_the_filled_cache(bench):
+    from logitless.models import qwen2_5_tiny, qwen2_5_tiny_untied
+
+    dims = dict(vocab_size=100, num_layers=3, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=48)
+    tied, untied = qwen2_5_tiny(**dims), qwen2_5_tiny_untied(**dims)
+    head_dim = 32 // 4
+    # per layer: q (32x32 + 32), k and v (16x32 + 16 each), o (32x32), mlp 3 x 32x48, two norms of 32
+    layer = (32 * 32 + 32) + 2 * (16 * 32 + 16) + 32 * 32 + 3 * 32 * 48 + 2 * 32
+    weights = 3 * layer + 100 * 32 + 32  # + embedding (the tied head) + final norm
+    kv = 3 * 2 * 2 * head_dim * 4  # layers x (K, V) x kv heads x head_dim x fp32 bytes, per token and row
+    rows, prompt, new = 5, 7, 10
+    expected = 4 * weights + rows * kv * (prompt + new / 2)
+    assert bench.step_bytes(tied, rows, prompt, new) == pytest.approx(expected)
+    # untied: the head is read whole, the embedding table only at the rows' tokens
+    assert bench.step_bytes(untied, rows, prompt, new) == pytest.approx(expected + 4 * rows * 32)
+
+
+def test_mix_stop_tokens_give_a_third_of_the_maximum_on_average(bench):
+    import math
+
+    stops = bench.mix_stop_tokens(30000, 512)
+    p = len(stops) / 30000 * 1.0  # per-step stop probability under a uniform distribution
+    mean = (1 - (1 - p) ** 512) / p  # mean of a geometric length capped at 512
+    assert 0 not in stops and len(set(stops)) == len(stops)
+    assert mean == pytest.approx(512 / 3, rel=0.02) and math.isfinite(mean)
+
+
+def test_bad_rows_are_refused_naming_the_flag(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rows", "20"])
