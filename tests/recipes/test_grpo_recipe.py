@@ -107,6 +107,24 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tmp_path):
     assert hist[0]["kl"] > 0 and hist[1]["kl"] > 0
 
 
+def test_dora_starts_at_the_base_trains_and_saves_its_magnitudes(tmp_path):
+    """DoRA on the warm-start checkpoint: the magnitudes are adapter parameters (missing from the base
+    checkpoint, trained, saved), initialised to the base weights' row norms so that the policy starts
+    equal to the base (KL 0 to the adapters-disabled reference before the first update)."""
+    recipe = GRPORecipe(tiny_cfg(tmp_path, "max_steps=2", "num_iterations=1", *LORA, "model.use_dora=True"))
+    hist = recipe.run()
+    assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-6) and hist[1]["kl"] > 0
+    trainable = {n for n, p in recipe.model.named_parameters() if p.requires_grad}
+    adapter = torch.load(tmp_path / "step_000002" / "adapter_model.pt")
+    magnitudes = sorted(k for k in adapter if k.endswith(".magnitude"))
+    assert len(magnitudes) == 2 * 2 and set(magnitudes) <= trainable  # 2 layers x (q_proj, v_proj)
+    for key in magnitudes:
+        base_rows = recipe.model.state_dict()[key.removesuffix("magnitude") + "weight"].norm(dim=1)
+        assert not torch.equal(adapter[key], base_rows), key  # trained
+        # started at ||W|| per row: two AdamW steps (lr 1e-2, no decay) move an entry by at most ~2 lr
+        torch.testing.assert_close(adapter[key], base_rows, rtol=0.0, atol=2.01e-2, msg=key)
+
+
 @pytest.mark.parametrize("override, match", [
     ("num_generations=1", "num_generations"),
     ("micro_batch_size=5", "micro_batch_size"),

@@ -255,7 +255,7 @@ class GRPORecipe:
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
         self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.is_lora)
-        adapter_keys = [k for k in model.state_dict() if "lora_" in k] if self.is_lora else None
+        adapter_keys = model_utils.adapter_keys(model) if self.is_lora else None
         if cfg.model_init == "checkpoint":
             model_utils.load_weights(model, self.ckpt.load_model_state(), allow_missing=adapter_keys,
                                      source=str(cfg.checkpointer.checkpoint_dir))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -43,7 +43,7 @@ def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dty
             (for ``model_init: random``: :data:`RANDOM_INIT_EMBEDDING_STD`); None keeps torchtune's.
 
     Returns:
-        nn.Module: the model (randomly initialised).
+        nn.Module: the model (randomly initialised; DoRA magnitudes set from these weights).
 
     Example:
         >>> build_model(OmegaConf.create({"_component_": "logitless.models.qwen2_5_tiny"}),
@@ -59,6 +59,8 @@ def build_model(model_cfg: DictConfig, *, device: torch.device, dtype: torch.dty
         if embedding_std is not None and embeddings is not None:
             with torch.no_grad():
                 embeddings.weight.normal_(0.0, embedding_std)
+        if device.type != "meta":
+            initialize_dora_magnitudes(model)
         return model
 
 
@@ -102,11 +104,48 @@ def check_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,
             raise CheckpointMismatchError(f"{source}: the model's tensor {k!r} is missing from the checkpoint")
 
 
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key names a LoRA/DoRA adapter tensor (torchtune's names: ``lora_a``,
+    ``lora_b``, DoRA's ``magnitude``): the tensors a LoRA recipe trains and saves as the adapter.
+
+    Example:
+        >>> is_adapter_key("layers.0.attn.q_proj.magnitude"), is_adapter_key("layers.0.attn.q_proj.weight")
+        (True, False)
+    """
+    return "lora_" in key or key.endswith("magnitude")
+
+
+def adapter_keys(model: nn.Module) -> List[str]:
+    """The adapter keys of ``model``'s state dict (:func:`is_adapter_key`), in state-dict order."""
+    return [k for k in model.state_dict() if is_adapter_key(k)]
+
+
 def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], *,
                  allow_missing: Optional[Iterable[str]] = None, source: str = "checkpoint") -> None:
-    """:func:`check_state_dict` then ``load_state_dict`` (``strict`` unless adapters may be missing)."""
+    """:func:`check_state_dict` then ``load_state_dict`` (``strict`` unless adapters may be missing).
+
+    DoRA magnitudes that ``state_dict`` does not hold (a base checkpoint) are set from the loaded
+    weights as DoRA initialises them (the row norms of ``W + B A``), so that the adapted model
+    starts equal to the base; magnitudes it holds (an adapter checkpoint) are loaded as they are.
+    """
     check_state_dict(model, state_dict, allow_missing=allow_missing, source=source)
     model.load_state_dict(state_dict, strict=not allow_missing)
+    initialize_dora_magnitudes(model, skip=state_dict)
+
+
+def initialize_dora_magnitudes(model: nn.Module, *, skip: Iterable[str] = ()) -> None:
+    """Sets each DoRA module's magnitude to the row norms of its current ``W + B A`` (torchtune's
+    ``initialize_dora_magnitude``), except the magnitudes named in ``skip``; no-op without DoRA.
+
+    torchtune's DoRA layers allocate the magnitude uninitialised; it must be set after the base
+    weights are in place.
+    """
+    skip = set(skip)
+    for name, module in model.named_modules():
+        if hasattr(module, "initialize_dora_magnitude"):
+            key = (name + "." if name else "") + "magnitude"
+            if key.replace("._checkpoint_wrapped_module", "") not in skip:
+                module.initialize_dora_magnitude()
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

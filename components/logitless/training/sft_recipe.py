@@ -165,7 +165,7 @@ class SFTRecipe:
         model = model_utils.build_model(cfg.model, device=self.device, dtype=self.dtype, seed=self.seed,
                                          embedding_std=model_utils.random_init_std(cfg.model_init))
         self.ckpt.export = ModelExport.for_run(cfg, model, lora=self.lora)
-        adapter_keys = [k for k in model.state_dict() if "lora_" in k or "magnitude" in k] if self.lora else None
+        adapter_keys = model_utils.adapter_keys(model) if self.lora else None
         if cfg.model_init == "checkpoint" or (resume_dir is not None and not self.lora):
             sd = self.ckpt.load_model_state(resume_dir, base_only=self.lora)
             model_utils.load_weights(model, sd, allow_missing=adapter_keys,
