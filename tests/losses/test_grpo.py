@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from logitless.losses import LossUnits
 from logitless.losses.grpo import GRPOLoss
 from logitless.modules import HeadInput
 
@@ -250,3 +251,32 @@ def test_set_model_output_puts_model_in_hidden_mode():
     GRPOLoss().set_model_output(model)
     out = model(torch.randint(0, 100, (2, 5)))
     assert isinstance(out, HeadInput) and out.hidden.shape == (2, 5, 32)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_contract_passes_the_steps_counts_and_weights_the_metrics(loss_type):
+    """normalised_loss: the micro-batches' shares add up to the whole batch's loss (with the counts
+    of the step from loss_units), and each metric's shares to its token mean over the batch."""
+    hidden, weight, labels, adv, old, ref = make_inputs(8)
+    truncated = torch.tensor([False, False, True, False])
+    fn = GRPOLoss(temperature=T, impl="torch", loss_type=loss_type, max_completion_length=6, epsilon_high=0.28,
+                  beta=0.1, mask_truncated_completions=True)
+    parts = [slice(0, 2), slice(2, 4)]
+    units = [fn.loss_units(labels[r], truncated[r]) for r in parts]
+    total = LossUnits.total(units)
+    assert total == LossUnits(tokens=4 + 5 + 1, sequences=4, micro_batches=2)  # row 2 (2 tokens) truncated
+    shares = [fn.normalised_loss(HeadInput(hidden[r], weight), labels[r], total, advantages=adv[r],
+                                 old_log_probs=old[r], ref_log_probs=ref[r], truncated=truncated[r]) for r in parts]
+    if loss_type == "bnpo":  # token mean per micro-batch, averaged over the micro-batches
+        want = sum(reference_loss(hidden[r], weight, labels[r], adv[r], old[r], ref[r], loss_type="bnpo", beta=0.1,
+                                  truncated=truncated[r]) for r in parts) / 2
+    else:
+        want = reference_loss(hidden, weight, labels, adv, old, ref, loss_type=loss_type, max_len=6, beta=0.1,
+                              truncated=truncated)
+    assert math.isclose(float(sum(s.loss for s in shares)), float(want), rel_tol=1e-6)
+    logz = torch.log_softmax(hidden @ weight.T / T, dim=-1)
+    ent = -(logz.exp() * logz).sum(-1)
+    mask = (labels != IGN) & ~truncated[:, None]
+    got = sum(s.metrics["entropy"] for s in shares)
+    assert "num_tokens" not in shares[0].metrics
+    assert math.isclose(float(got), float(ent[mask].mean()), rel_tol=1e-6)

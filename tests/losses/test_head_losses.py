@@ -9,6 +9,9 @@ from logitless.losses import (
     CEWithChunkedOutputLoss,
     EntropyWithChunkedOutputLoss,
     LinearCrossEntropyLoss,
+    LossOutput,
+    LossUnits,
+    StepLoss,
     TokenLogProbs,
 )
 from logitless.modules import HeadInput
@@ -91,3 +94,62 @@ def test_constructor_errors():
         LinearCrossEntropyLoss(impl="fast")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         TokenLogProbs(temperature=0)
+
+
+def _micro_batches(hidden, weight, labels, use_hidden):
+    """Two micro-batches of one row each (different token counts), as the model would return them."""
+    out = []
+    for r in (slice(0, 1), slice(1, 2)):
+        h = hidden[r]
+        outputs = HeadInput(h, weight) if use_hidden else [F.linear(c, weight) for c in h.chunk(4, dim=1)]
+        out.append((outputs, labels[r]))
+    return out
+
+
+@pytest.mark.parametrize("make, use_hidden", [
+    (lambda: CEWithChunkedOutputLoss(num_output_chunks=4, chunk_size=5), True),
+    (lambda: CEWithChunkedOutputLoss(num_output_chunks=4), False),
+    (lambda: CEWithChunkedOutputLoss(num_output_chunks=4, reduction="sum"), False),
+    (lambda: LinearCrossEntropyLoss(impl="chunked", chunk_size=5, reduction="sum"), True),
+    (lambda: EntropyWithChunkedOutputLoss(num_output_chunks=4, temperature=0.8), True),
+    (lambda: EntropyWithChunkedOutputLoss(num_output_chunks=4, temperature=0.8), False),
+], ids=["chunked_ce_hidden", "chunked_ce_logits", "chunked_ce_sum_logits", "linear_ce_sum", "entropy_hidden",
+        "entropy_logits"])
+def test_loss_contract_shares_add_up_to_the_mean_over_every_token(make, use_hidden):
+    """The engine's contract: counts from the labels, then each micro-batch's share normalised by the
+    step's total; the shares (and their gradients) add up to the float64 mean over every token of
+    the step, whatever the loss's public ``reduction``."""
+    loss_fn = make()
+    hidden, weight, labels = _head(seed=7)
+    labels[0, : S // 2] = -100  # the two rows carry very different token counts
+    if isinstance(loss_fn, EntropyWithChunkedOutputLoss):
+        _, ent = reference.log_probs(hidden, weight, labels, temperature=0.8)
+        want = ent.sum() / (labels != -100).sum()
+    else:
+        want = reference.cross_entropy(hidden, weight, labels, reduction="mean")
+    (want_dh,) = torch.autograd.grad(want, hidden)
+    mbs = _micro_batches(hidden, weight, labels, use_hidden)
+    units = [loss_fn.loss_units(lab) for _, lab in mbs]
+    total = LossUnits.total(units)
+    assert total == LossUnits(tokens=int((labels != -100).sum()), sequences=B, micro_batches=2)
+    shares = [loss_fn.normalised_loss(out, lab, total) for out, lab in mbs]
+    assert all(isinstance(s, LossOutput) and s.metrics == {} for s in shares)
+    got = sum(s.loss for s in shares)
+    (got_dh,) = torch.autograd.grad(got, hidden)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(got_dh.double(), want_dh, rtol=1e-5, atol=1e-8)
+
+
+def test_step_losses_follow_the_contract_and_log_probs_do_not():
+    for loss_fn in (CEWithChunkedOutputLoss(), LinearCrossEntropyLoss(), EntropyWithChunkedOutputLoss()):
+        assert isinstance(loss_fn, StepLoss)
+    assert not isinstance(TokenLogProbs(), StepLoss)  # per-token values, not a loss
+
+    class Incomplete(StepLoss):
+        def loss_units(self, labels, **inputs):
+            return LossUnits()
+
+    with pytest.raises(TypeError, match="normalised_loss"):
+        Incomplete()
+    with pytest.raises(TypeError, match="unexpected inputs"):
+        CEWithChunkedOutputLoss().loss_units(torch.zeros(1, 2, dtype=torch.long), truncated=None)

@@ -6,13 +6,13 @@ import copy
 import pytest
 import torch
 
-from logitless.losses import LinearCrossEntropyLoss
+from logitless.losses import LinearCrossEntropyLoss, LossOutput
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
 from logitless.rl.rollout.eager import generate
 from logitless.rl.update import grpo_update
-from logitless.training import CheckpointManager, SFTObjective, TrainStep
+from logitless.training import CheckpointManager, SFTObjective, StepObjective, TrainStep
 from logitless.training.nonfinite import (NonFiniteGuard, NonFiniteStepsError, NonFiniteWeightsError,
                                           check_finite_weights)
 
@@ -28,19 +28,19 @@ def _sft_batch(seed):
     return {"tokens": tokens, "labels": tokens.clone()}
 
 
-class _Poisoned:
+class _Poisoned(StepObjective):
     """The SFT objective, with a NaN injected into the loss of the steps listed in ``bad``."""
 
     def __init__(self, objective, bad):
         self.objective, self.bad, self.calls = objective, set(bad), 0
 
-    def count(self, mb):
-        return self.objective.count(mb)
+    def units(self, mb):
+        return self.objective.units(mb)
 
-    def __call__(self, mb):
+    def __call__(self, mb, total):
         self.calls += 1
-        loss = self.objective(mb)
-        return loss * float("nan") if self.calls in self.bad else loss
+        loss, metrics = self.objective(mb, total)
+        return LossOutput(loss * float("nan") if self.calls in self.bad else loss, metrics)
 
 
 def _sft_step(model, max_skips=3, clip=None):
@@ -55,18 +55,18 @@ def test_sft_nan_step_is_skipped_and_counted(clip):
     model = _model()
     step, opt, sched = _sft_step(model, clip=clip)
     obj = _Poisoned(SFTObjective(model, LinearCrossEntropyLoss(impl="chunked")), bad={2})
-    first = step([_sft_batch(0)], loss_fn=obj, count_fn=obj.count, step=1)
+    first = step([_sft_batch(0)], obj, step=1)
     assert not first.skipped and first.stepped and first.grad_norm > 0
     before = copy.deepcopy(model.state_dict())
     opt_state = copy.deepcopy(opt.state_dict())
-    res = step([_sft_batch(1)], loss_fn=obj, count_fn=obj.count, step=2)
+    res = step([_sft_batch(1)], obj, step=2)
     assert res.skipped and not res.stepped and res.skipped_steps == 1
     assert res.grad_norm != res.grad_norm  # NaN, reported
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # no optimizer step
     assert all(p.grad is None for p in model.parameters())  # gradients zeroed
     assert sched.last_epoch == 1 and opt.state_dict()["state"][0]["step"] == opt_state["state"][0]["step"]
-    after = step([_sft_batch(2)], loss_fn=obj, count_fn=obj.count, step=3)
+    after = step([_sft_batch(2)], obj, step=3)
     assert after.stepped and not after.skipped and after.skipped_steps == 1 and sched.last_epoch == 2
 
 
@@ -82,7 +82,7 @@ def test_sft_grad_norm_without_clipping_equals_the_gradients_norm():
 
     step.optimizer, step.lr_scheduler = Capture(model.parameters(), lr=0.0), None
     obj = SFTObjective(model, LinearCrossEntropyLoss(impl="chunked"))
-    res = step([_sft_batch(0)], loss_fn=obj, count_fn=obj.count)
+    res = step([_sft_batch(0)], obj)
     assert res.grad_norm == pytest.approx(norms[0], rel=1e-5)
 
 
@@ -91,12 +91,12 @@ def test_sft_stops_after_n_consecutive_skips_naming_the_step():
     step, _, _ = _sft_step(model, max_skips=3)
     obj = _Poisoned(SFTObjective(model, LinearCrossEntropyLoss(impl="chunked")), bad={2, 3, 5, 6})
     for i in (1, 2, 3, 4, 5):  # skips at 2, 3, then a good step resets the run of skips, then 5
-        step([_sft_batch(i)], loss_fn=obj, count_fn=obj.count, step=i)
+        step([_sft_batch(i)], obj, step=i)
     assert step.guard.skipped_steps == 3 and step.guard.consecutive_skipped == 1
     obj.bad.add(7)
-    step([_sft_batch(6)], loss_fn=obj, count_fn=obj.count, step=6)
+    step([_sft_batch(6)], obj, step=6)
     with pytest.raises(NonFiniteStepsError, match=r"3 optimizer steps in a row.*step 7.*max_consecutive_skipped_steps=3"):
-        step([_sft_batch(7)], loss_fn=obj, count_fn=obj.count, step=7)
+        step([_sft_batch(7)], obj, step=7)
 
 
 def _grpo_setup():

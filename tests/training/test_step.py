@@ -49,7 +49,7 @@ def test_accumulated_step_equals_one_big_batch(loss_cls):
 
     obj = SFTObjective(model, loss_cls())
     step = TrainStep(model, Capture(model.parameters(), lr=0.0), grads_averaged_over_ranks=False)
-    res = step(batches, loss_fn=obj, count_fn=obj.count)
+    res = step(batches, obj)
     n_ref = sum(int((b["labels"][:, 1:] != IGN).sum()) for b in batches)
     assert res.num_units == n_ref
     assert res.loss == pytest.approx(ref_loss, rel=1e-5)
@@ -65,7 +65,7 @@ def test_all_ignored_batch_skips_the_step():
     step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=1.0), clip_grad_norm=1.0)
     b = _batch(0, 2, 8, 16)
     with pytest.warns(UserWarning, match="no units"):
-        res = step([b], loss_fn=obj, count_fn=obj.count)
+        res = step([b], obj)
     assert not res.stepped and res.loss == 0.0 and res.num_units == 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -75,7 +75,8 @@ def test_step_rejects_bad_arguments():
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="clip_grad_norm"):
         TrainStep(m, torch.optim.SGD(m.parameters(), lr=1), clip_grad_norm=0.0)
+    tiny = qwen2_5_tiny(num_layers=1, embed_dim=64, intermediate_dim=64)
     with pytest.raises(ValueError, match="no micro-batches"):
-        TrainStep(m, torch.optim.SGD(m.parameters(), lr=1))([], loss_fn=None, count_fn=None)
-    with pytest.raises(TypeError, match="loss protocol"):
-        SFTObjective(qwen2_5_tiny(num_layers=1, embed_dim=64, intermediate_dim=64), torch.nn.CrossEntropyLoss())
+        TrainStep(m, torch.optim.SGD(m.parameters(), lr=1))([], SFTObjective(tiny, LinearCrossEntropyLoss()))
+    with pytest.raises(TypeError, match="loss protocol: expected a logitless.losses.StepLoss"):
+        SFTObjective(tiny, torch.nn.CrossEntropyLoss())

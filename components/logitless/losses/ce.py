@@ -1,11 +1,17 @@
-"""Cross-entropy losses: torchtune's chunked CE done right, and the fused-head alternative."""
+"""Cross-entropy losses: torchtune's chunked CE done right, and the fused-head alternative.
+
+Both follow the engine's loss contract (:class:`~logitless.losses._base.StepLoss`, a mean over
+tokens): ``loss_fn(outputs, labels)`` is the loss of those labels (``reduction`` "mean" or "sum"),
+``loss_fn.normalised_loss(outputs, labels, total)`` this micro-batch's share of the mean over the
+``total.tokens`` tokens of the whole step, whatever ``reduction`` says.
+"""
 
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from logitless.losses._base import HeadLoss, ModelOutput, as_head_input, label_chunks, logit_chunks
+from logitless.losses._base import ModelOutput, TokenMeanLoss, as_head_input, label_chunks, logit_chunks
 from logitless.modules import HeadInput
 from logitless.ops import _validate, linear_cross_entropy
 
@@ -17,7 +23,7 @@ def _reduce(total: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduct
     return total / (labels != ignore_index).sum().clamp(min=1)
 
 
-class CEWithChunkedOutputLoss(HeadLoss):
+class CEWithChunkedOutputLoss(TokenMeanLoss):
     """Drop-in for torchtune's ``CEWithChunkedOutputLoss`` that never keeps logits for backward.
 
     Given torchtune's list of logit chunks it behaves like torchtune's loss (each chunk upcast to fp32
@@ -67,20 +73,27 @@ class CEWithChunkedOutputLoss(HeadLoss):
         Returns:
             torch.Tensor: fp32 scalar loss.
         """
+        return self._loss(outputs, labels, self.reduction)
+
+    def token_mean(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """The mean over the non-ignored tokens (the engine's contract, any ``reduction``)."""
+        return self._loss(outputs, labels, "mean")
+
+    def _loss(self, outputs: ModelOutput, labels: torch.Tensor, reduction: str) -> torch.Tensor:
         if isinstance(outputs, HeadInput):
             return linear_cross_entropy(
                 outputs.hidden, outputs.weight, labels, ignore_index=self.ignore_index,
-                reduction=self.reduction, impl="chunked", chunk_size=self.chunk_size,
+                reduction=reduction, impl="chunked", chunk_size=self.chunk_size,
             )
         chunks = logit_chunks(outputs)
         total = sum(
             self.compute_cross_entropy(logits, target)
             for logits, target in zip(chunks, label_chunks(labels, chunks))
         )
-        return _reduce(total, labels, self.ignore_index, self.reduction)
+        return _reduce(total, labels, self.ignore_index, reduction)
 
 
-class LinearCrossEntropyLoss(HeadLoss):
+class LinearCrossEntropyLoss(TokenMeanLoss):
     """Cross-entropy fused with the output projection (``loss._component_`` for the fused head).
 
     Args:
@@ -128,9 +141,16 @@ class LinearCrossEntropyLoss(HeadLoss):
         Returns:
             torch.Tensor: fp32 scalar loss.
         """
+        return self._loss(outputs, labels, self.reduction)
+
+    def token_mean(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """The mean over the non-ignored tokens (the engine's contract, any ``reduction``)."""
+        return self._loss(outputs, labels, "mean")
+
+    def _loss(self, outputs: ModelOutput, labels: torch.Tensor, reduction: str) -> torch.Tensor:
         head = as_head_input(outputs, type(self).__name__)
         return linear_cross_entropy(
             head.hidden, head.weight, labels, ignore_index=self.ignore_index,
-            reduction=self.reduction, temperature=self.temperature, impl=self.impl,
+            reduction=reduction, temperature=self.temperature, impl=self.impl,
             chunk_size=self.chunk_size,
         )

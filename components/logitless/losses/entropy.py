@@ -4,17 +4,20 @@ from typing import Optional
 
 import torch
 
-from logitless.losses._base import HeadLoss, ModelOutput, label_chunks, logit_chunks
+from logitless.losses._base import ModelOutput, TokenMeanLoss, label_chunks, logit_chunks
 from logitless.modules import HeadInput
 from logitless.ops import _validate, linear_log_probs
 
 
-class EntropyWithChunkedOutputLoss(HeadLoss):
+class EntropyWithChunkedOutputLoss(TokenMeanLoss):
     """Mean entropy of ``softmax(logits / temperature)`` over non-ignored tokens; differentiable.
 
     On the hidden-state path (after :meth:`set_model_output`) each chunk is projected, upcast to fp32
     and recomputed in backward; with torchtune's list of logit chunks each chunk is upcast on its own.
     Labels only select the tokens (``ignore_index`` excluded). 0.0 when every token is ignored.
+    As the engine's loss (:class:`~logitless.losses._base.StepLoss`) it is a mean over tokens:
+    ``normalised_loss(outputs, labels, total)`` is this micro-batch's share of the mean over
+    ``total.tokens``.
 
     Args:
         num_output_chunks (int): chunks of the logit-list input. Default 8.
@@ -52,6 +55,10 @@ class EntropyWithChunkedOutputLoss(HeadLoss):
         Returns:
             torch.Tensor: fp32 scalar mean entropy.
         """
+        return self.token_mean(outputs, labels)
+
+    def token_mean(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
+        """The mean entropy over the non-ignored tokens (the public call and the engine's contract)."""
         count = (labels != self.ignore_index).sum().clamp(min=1)
         if isinstance(outputs, HeadInput):
             # Only the mask matters for entropy; give valid rows a harmless in-range label.

@@ -12,6 +12,12 @@ Protocol (as every logitless loss)::
                             total_sequences=N, total_tokens=loss_fn.num_loss_tokens(labels, truncated))
     loss.backward()
 
+The training engine calls it through the loss contract (:class:`~logitless.losses._base.StepLoss`):
+``loss_units(labels, truncated=...)`` counts a micro-batch, and ``normalised_loss(outputs, labels,
+total, advantages=..., ...)`` passes the step's global ``total`` (tokens, sequences, micro-batches)
+as the normalisers above and returns the metrics as shares of their token-weighted global means
+(``logitless.rl.update.grpo_update`` runs it through ``logitless.training.TrainStep``).
+
 ``labels`` are the shifted completion tokens with ``ignore_index`` at every other position (see
 ``logitless.rl.batch.policy_batch``); every per-token tensor has the labels' shape, so the same call
 works whether the hidden states cover whole sequences or only completion positions.
@@ -42,7 +48,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from logitless.losses._base import HeadLoss, ModelOutput, as_head_input
+from logitless.losses._base import LossOutput, LossUnits, ModelOutput, StepLoss, as_head_input
 from logitless.modules import HeadInput  # noqa: F401  (public in signatures / doctest)
 from logitless.ops import _validate, linear_log_probs, linear_token_objective
 
@@ -56,7 +62,7 @@ def masked_like(mask: torch.Tensor, values: torch.Tensor, logp: torch.Tensor) ->
 IMPORTANCE_LEVELS = ("token", "sequence")
 
 
-class GRPOLoss(HeadLoss):
+class GRPOLoss(StepLoss):
     """PPO-clipped group-relative policy loss (GRPO, BNPO, Dr. GRPO, DAPO normalisations).
 
     Args:
@@ -168,6 +174,39 @@ class GRPOLoss(HeadLoss):
     def num_loss_tokens(self, labels: torch.Tensor, truncated: Optional[torch.Tensor] = None) -> int:
         """Number of tokens in the loss: sum it over all micro-batches for ``total_tokens``."""
         return int(self.loss_mask(labels, truncated).sum())
+
+    def loss_units(self, labels: torch.Tensor, truncated: Optional[torch.Tensor] = None) -> LossUnits:
+        """This micro-batch's counts for the engine: loss tokens (:meth:`num_loss_tokens`, a 0-dim
+        tensor), completions, one micro-batch."""
+        return LossUnits(tokens=self.loss_mask(labels, truncated).sum(), sequences=labels.shape[0], micro_batches=1)
+
+    def normalised_loss(
+        self,
+        outputs: ModelOutput,
+        labels: torch.Tensor,
+        total: LossUnits,
+        *,
+        advantages: torch.Tensor,
+        old_log_probs: Optional[torch.Tensor] = None,
+        ref_log_probs: Optional[torch.Tensor] = None,
+        truncated: Optional[torch.Tensor] = None,
+    ) -> LossOutput:
+        """This micro-batch's share of the step's loss (the loss contract of the training engine).
+
+        Args:
+            outputs, labels, advantages, old_log_probs, ref_log_probs, truncated: as in :meth:`forward`.
+            total (LossUnits): the whole step's counts, over every micro-batch and rank: the
+                ``total_tokens``, ``total_sequences`` and ``num_micro_batches`` of :meth:`forward`.
+
+        Returns:
+            LossOutput: the loss share of :meth:`forward`; its metrics (``num_tokens`` aside), each a
+            token-weighted share: ``metric * num_tokens / total.tokens`` in float64.
+        """
+        loss, metrics = self(outputs, labels, advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+                             truncated=truncated, total_sequences=int(total.sequences),
+                             total_tokens=int(total.tokens), num_micro_batches=int(total.micro_batches))
+        weight = metrics.pop("num_tokens").double() / max(int(total.tokens), 1)
+        return LossOutput(loss, {k: v.double() * weight for k, v in metrics.items()})
 
     def _check(self, labels, advantages, old_log_probs, ref_log_probs, truncated) -> Tuple[torch.Tensor, torch.Tensor]:
         """Validates the call; returns the ``(B, S)`` advantages and the loss mask."""

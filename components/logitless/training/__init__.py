@@ -6,8 +6,9 @@ One concern per module:
 - :mod:`~logitless.training.preflight`: checks before the model is built (optimizer values, device,
   every SFT row's length against ``max_seq_len`` with counts, ``on_too_long``).
 - :mod:`~logitless.training.cli`: :func:`report_errors`, a ConfigError as one line on stderr (exit 2).
-- :mod:`~logitless.training.step`: :class:`TrainStep`, gradient accumulation normalised over the whole
-  accumulated batch (a recipe passes ``loss_fn(batch)`` and ``count_fn(batch)``).
+- :mod:`~logitless.training.step`: :class:`TrainStep`, the one optimizer-step engine of SFT and GRPO
+  (accumulation normalised over the whole batch of every rank, reductions through ``Runtime``,
+  clipping, step, schedule, non-finite skips) running a :class:`StepObjective`.
 - :mod:`~logitless.training.nonfinite`: :class:`NonFiniteGuard` (skip steps with a NaN/inf gradient norm or
   loss, count them, stop after too many in a row) and :func:`check_finite_weights` (no NaN checkpoint).
 - :mod:`~logitless.training.checkpoint`: :class:`CheckpointManager`, atomic HF-format checkpoints with
@@ -19,7 +20,7 @@ One concern per module:
 - :mod:`~logitless.training.model`: build in a dtype, load weights naming mismatches, LoRA, AC, compile.
 - :mod:`~logitless.training.progress`: tqdm bar, tokens/s, peak memory.
 - :mod:`~logitless.training.metric_logging`: torchtune metric loggers (DiskLogger by default).
-- :mod:`~logitless.training.sft`: :class:`SFTObjective` (forward + label shift + loss protocol).
+- :mod:`~logitless.training.sft`: :class:`SFTObjective` (forward + label shift + loss contract).
 - :mod:`~logitless.training.sft_recipe`: :class:`SFTRecipe`, the body of the three SFT recipes.
 - :mod:`~logitless.training.threads`: ``cpu_threads`` (torch's CPU threads per recipe process, ``auto`` by default).
 """
@@ -35,12 +36,12 @@ from logitless.training.model import CheckpointMismatchError, build_model, check
 from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
 from logitless.training.resume import RunStart, apply_optimizer_changes, start_run
 from logitless.training.sft import SFTObjective
-from logitless.training.step import StepResult, TrainStep
+from logitless.training.step import StepObjective, StepResult, TrainStep
 
 __all__ = [
     "CheckpointManager", "CheckpointMismatchError", "ConfigError", "Key", "NonFiniteGuard",
     "NonFiniteStepsError", "NonFiniteWeightsError", "ProgressBar", "ResumableSampler", "RunStart",
-    "SFTObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes", "batch_to_device",
+    "SFTObjective", "StepObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes", "batch_to_device",
     "build_dataloader", "build_metric_logger", "build_model", "check_finite_weights", "check_state_dict",
     "complete_checkpoints", "config_summary",
     "is_packed", "load_weights", "peak_memory_gib", "read_disk_log", "resolve_component", "rng_state",

@@ -1,4 +1,4 @@
-"""The SFT objective: forward, label shift that respects packing, and the loss protocol."""
+"""The SFT objective: forward, label shift that respects packing, and the loss contract."""
 
 from __future__ import annotations
 
@@ -7,36 +7,46 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from logitless.losses._base import LossOutput, LossUnits, StepLoss
+from logitless.training.step import StepObjective
 
-class SFTObjective:
-    """``batch -> mean next-token loss`` for :class:`~logitless.training.TrainStep`.
 
-    Uses only the loss protocol of the design: ``loss_fn.set_model_output(model)`` once (done
-    here), then ``loss_fn(model_outputs, shifted_labels)``. Labels are shifted with
-    ``logitless.modules.shift_labels(labels, ignore_index, input_pos=batch.get("input_pos"))`` so a
-    packed batch never predicts across a document boundary.
+class SFTObjective(StepObjective):
+    """Next-token loss of a micro-batch for :class:`~logitless.training.TrainStep`.
+
+    Calls the loss only through its contract (:class:`~logitless.losses.StepLoss`):
+    ``loss_fn.set_model_output(model)`` once (done here), then per micro-batch
+    ``loss_fn.loss_units(labels)`` and ``loss_fn.normalised_loss(model_outputs, labels, total)``.
+    Labels are shifted with ``logitless.modules.shift_labels(labels, ignore_index,
+    input_pos=batch.get("input_pos"))`` so a packed batch never predicts across a document boundary.
+    The step's loss is the mean over every non-ignored label of the step, whatever the loss's
+    ``reduction`` (which only affects its public call).
 
     Args:
         model (nn.Module): the decoder (wrapped by the loss if needed).
-        loss_fn (nn.Module): a logitless loss component; its ``reduction`` ("mean" or "sum") is honoured.
+        loss_fn (StepLoss): a logitless loss component (``logitless.losses``).
         ignore_index (int): label value that is ignored (defaults to ``loss_fn.ignore_index`` or -100).
+
+    Raises:
+        TypeError: ``loss_fn`` is not a :class:`~logitless.losses.StepLoss`.
 
     Example:
         >>> obj = SFTObjective(model, LinearCrossEntropyLoss())
-        >>> step([mb1, mb2], loss_fn=obj, count_fn=obj.count)
+        >>> step([mb1, mb2], obj)
     """
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, ignore_index: int | None = None):
-        if not hasattr(loss_fn, "set_model_output"):
+    def __init__(self, model: nn.Module, loss_fn: StepLoss, ignore_index: int | None = None):
+        if not isinstance(loss_fn, StepLoss):
             raise TypeError(
                 f"loss: {type(loss_fn).__module__}.{type(loss_fn).__qualname__} does not follow the logitless "
-                "loss protocol (no set_model_output); use a logitless.losses component"
+                "loss protocol: expected a logitless.losses.StepLoss (set_model_output, loss_units, "
+                "normalised_loss), such as logitless.losses.LinearCrossEntropyLoss"
             )
         self.model, self.loss_fn = model, loss_fn
         self.ignore_index = ignore_index if ignore_index is not None else getattr(loss_fn, "ignore_index", -100)
-        self.reduction = getattr(loss_fn, "reduction", "mean")
-        if self.reduction not in ("mean", "sum"):
-            raise ValueError(f"loss.reduction: expected 'mean' or 'sum', got {self.reduction!r}")
+        reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"loss.reduction: expected 'mean' or 'sum', got {reduction!r}")
         loss_fn.set_model_output(model)
 
     def labels(self, batch: Dict[str, Any]) -> torch.Tensor:
@@ -44,15 +54,12 @@ class SFTObjective:
 
         return shift_labels(batch["labels"], self.ignore_index, input_pos=batch.get("input_pos"))
 
-    def count(self, batch: Dict[str, Any]) -> torch.Tensor:
-        """Number of non-ignored (shifted) labels in ``batch``."""
-        return (self.labels(batch) != self.ignore_index).sum()
+    def units(self, batch: Dict[str, Any]) -> LossUnits:
+        """The micro-batch's counts (its non-ignored shifted labels, rows, 1)."""
+        return self.loss_fn.loss_units(self.labels(batch))
 
-    def __call__(self, batch: Dict[str, Any]) -> torch.Tensor:
+    def __call__(self, batch: Dict[str, Any], total: LossUnits) -> LossOutput:
+        """Forward and the micro-batch's share of the mean over the ``total.tokens`` labels of the step."""
         labels = self.labels(batch)
         kwargs = {k: batch[k] for k in ("mask", "input_pos") if batch.get(k) is not None}
-        outputs = self.model(batch["tokens"], **kwargs)
-        loss = self.loss_fn(outputs, labels)
-        if self.reduction == "sum":
-            loss = loss / (labels != self.ignore_index).sum().clamp(min=1)
-        return loss
+        return self.loss_fn.normalised_loss(self.model(batch["tokens"], **kwargs), labels, total)

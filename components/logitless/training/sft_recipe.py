@@ -203,8 +203,7 @@ class SFTRecipe:
             apply_optimizer_changes(self.optimizer, self.lr_scheduler, self.start.changes,
                                     log_rank_zero=self.is_rank_zero)
         self.train_step = TrainStep(self.model, self.optimizer, self.lr_scheduler,
-                                    clip_grad_norm=cfg.clip_grad_norm,
-                                    grads_averaged_over_ranks=self.distributed,
+                                    clip_grad_norm=cfg.clip_grad_norm, runtime=self.runtime,
                                     max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps)
         if recipe_state is not None and recipe_state.get("nonfinite") is not None:
             self.train_step.guard.load_state_dict(recipe_state["nonfinite"])
@@ -304,7 +303,7 @@ class SFTRecipe:
                 it = iter(self.dataloader)
             mbs = [batch_to_device(next(it), self.device) for _ in range(ga)]
             self.mb_in_epoch += ga
-            res = self.train_step(mbs, loss_fn=self.objective, count_fn=self.objective.count, step=self.step + 1)
+            res = self.train_step(mbs, self.objective, step=self.step + 1)
             self.step += 1
             self.losses.append(res.loss)
             n_tok = self.runtime.all_reduce(torch.tensor(float(sum(mb["tokens"].numel() for mb in mbs))))
