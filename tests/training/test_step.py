@@ -80,3 +80,99 @@ def test_step_rejects_bad_arguments():
         TrainStep(m, torch.optim.SGD(m.parameters(), lr=1))([], SFTObjective(tiny, LinearCrossEntropyLoss()))
     with pytest.raises(TypeError, match="loss protocol: expected a logitless.losses.StepLoss"):
         SFTObjective(tiny, torch.nn.CrossEntropyLoss())
+
+
+class _NotAnObjective:
+    def units(self, mb):
+        return None
+
+    def __call__(self, mb, total):
+        return None
+
+
+class _BareLoss(SFTObjective):
+    """Returns the loss tensor alone instead of a LossOutput."""
+
+    def __call__(self, batch, total):
+        return super().__call__(batch, total).loss
+
+
+def test_wrong_objects_raise_a_type_error_naming_the_contract():
+    from logitless.losses import TokenLogProbs
+
+    model = qwen2_5_tiny(num_layers=1, embed_dim=64, intermediate_dim=128, max_seq_len=64)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    b = _batch(0, 2, 8, 0)
+    with pytest.raises(TypeError, match="objective must be a logitless.training.step.StepObjective"):
+        step([b], _NotAnObjective())
+    with pytest.raises(TypeError, match="expected a logitless.losses.LossOutput"):
+        step([b], _BareLoss(model, LinearCrossEntropyLoss()))
+    with pytest.raises(TypeError, match="expected a logitless.losses.StepLoss"):
+        SFTObjective(model, TokenLogProbs())  # a head loss, but per-token values: not a step loss
+    with pytest.raises(TypeError, match="runtime must be a logitless.training.distributed.Runtime"):
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), runtime="cpu")
+
+
+_TWO_RANK_WORKER = '''
+import sys
+import torch
+from logitless.losses import LinearCrossEntropyLoss
+from logitless.training import SFTObjective, TrainStep
+from logitless.training.distributed import Runtime
+sys.path.insert(0, sys.argv[2])
+from test_step import _two_rank_setup
+
+rt = Runtime.setup("cpu", distributed=True)
+model, batches = _two_rank_setup()
+obj = SFTObjective(model, LinearCrossEntropyLoss(impl="chunked"))
+rt.shard(model)
+step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.5), clip_grad_norm=0.5, runtime=rt)
+res = step(batches[2 * rt.rank: 2 * rt.rank + 2], obj)
+state = rt.full_state_dict(model)
+if rt.is_rank_zero:
+    torch.save({"loss": res.loss, "grad_norm": res.grad_norm, "num_units": res.num_units, "state": state}, sys.argv[1])
+rt.shutdown()
+'''
+
+
+def _two_rank_setup():
+    torch.manual_seed(0)
+    model = qwen2_5_tiny(vocab_size=48, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=32, intermediate_dim=64)
+    batches = []
+    for i, n_ignored in enumerate((3, 14, 0, 9)):  # the ranks hold 17 and 9 ignored labels
+        b = _batch(10 + i, 2, 8, n_ignored)
+        b["tokens"] %= 48
+        b["labels"] = torch.where(b["labels"] == IGN, IGN, b["labels"] % 48)
+        batches.append(b)
+    return model, batches
+
+
+def test_two_gloo_ranks_equal_one_device(tmp_path):
+    """FSDP2 over two CPU ranks: the ranks' micro-batches (different token counts) give the same
+    loss, clipped gradient norm and weights as the four micro-batches on one device."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(_TWO_RANK_WORKER)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={port}", str(worker), str(tmp_path / "out.pt"),
+                          os.path.dirname(__file__)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    dist = torch.load(tmp_path / "out.pt")
+
+    model, batches = _two_rank_setup()
+    obj = SFTObjective(model, LinearCrossEntropyLoss(impl="chunked"))
+    one = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.5), clip_grad_norm=0.5)(batches, obj)
+    assert dist["num_units"] == one.num_units == sum(int((b["labels"][:, 1:] != IGN).sum()) for b in batches)
+    assert one.grad_norm > 0.5  # the clip is active
+    assert dist["loss"] == pytest.approx(one.loss, rel=1e-6)
+    assert dist["grad_norm"] == pytest.approx(one.grad_norm, rel=1e-5)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(dist["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
