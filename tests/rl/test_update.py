@@ -69,6 +69,11 @@ def test_update_argument_errors():
         grpo_update(m, GRPOLoss(beta=0.1), opt, batch, adv, micro_batch_size=2)
     with pytest.raises(ValueError, match="num_iterations"):
         grpo_update(m, GRPOLoss(), opt, batch, adv, micro_batch_size=2, num_iterations=0)
+    from logitless.losses import LinearCrossEntropyLoss
+
+    with pytest.raises(TypeError, match="loss_fn: expected a logitless.losses.GRPOLoss, got "
+                                        "logitless.losses.ce.LinearCrossEntropyLoss"):
+        grpo_update(m, LinearCrossEntropyLoss(), opt, batch, adv, micro_batch_size=2, num_iterations=2)
 
 
 def _float64_grpo_reference(model, batch, adv, temperature, loss_type, max_len):

@@ -50,6 +50,12 @@ def batch_log_probs(model: nn.Module, loss_fn, batch: TrainBatch, micro_batch_si
                       for mb in batch.micro_batches(micro_batch_size)])
 
 
+def _check_loss(loss_fn) -> None:
+    if not isinstance(loss_fn, GRPOLoss):
+        raise TypeError(f"loss_fn: expected a logitless.losses.GRPOLoss, got "
+                        f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}")
+
+
 class GRPOObjective(StepObjective):
     """The GRPO policy loss of one micro-batch for :class:`~logitless.training.TrainStep`.
 
@@ -70,9 +76,7 @@ class GRPOObjective(StepObjective):
 
     def __init__(self, model: nn.Module, loss_fn: GRPOLoss, advantages: torch.Tensor,
                  old_log_probs: Optional[torch.Tensor] = None, ref_log_probs: Optional[torch.Tensor] = None):
-        if not isinstance(loss_fn, GRPOLoss):
-            raise TypeError(f"loss_fn: expected a logitless.losses.GRPOLoss, got "
-                            f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}")
+        _check_loss(loss_fn)
         self.model, self.loss_fn, self.advantages = model, loss_fn, advantages
         self.old_log_probs, self.ref_log_probs = old_log_probs, ref_log_probs
 
@@ -115,7 +119,7 @@ def grpo_update(
 
     Args:
         model (nn.Module): the policy (train mode).
-        loss_fn: ``logitless.losses.GRPOLoss``.
+        loss_fn (GRPOLoss): the policy loss (any other object is a TypeError).
         optimizer (torch.optim.Optimizer): over the trainable parameters.
         batch (PolicyBatch | SharedGroupBatch): the generation batch (N completions).
         advantages (torch.Tensor): ``(N,)``.
@@ -148,9 +152,10 @@ def grpo_update(
         ...                   advantages, micro_batch_size=8)
         >>> out["loss"], out["grad_norm"]
     """
+    _check_loss(loss_fn)
     if num_iterations < 1:
         raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
-    if getattr(loss_fn, "beta", 0) > 0 and reference is None:
+    if loss_fn.beta > 0 and reference is None:
         raise ValueError("loss_fn.beta > 0 needs a reference policy")
     n = len(batch)
     if micro_batch_size < 1 or n % micro_batch_size:

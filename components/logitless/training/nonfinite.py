@@ -1,7 +1,7 @@
 """Non-finite steps: skip them, count them, stop after too many in a row; never save NaN weights.
 
-One policy for every engine (``TrainStep`` for SFT, ``grpo_update`` for GRPO): after the backward
-of all micro-batches, :meth:`NonFiniteGuard.step` computes the total gradient norm (always, with or
+The policy of the training engine (``TrainStep``, for SFT and GRPO): after the backward of all
+micro-batches, :meth:`NonFiniteGuard.step` computes the total gradient norm (always, with or
 without clipping), and
 
 - when the norm (or the step's loss) is NaN or inf: zeroes the gradients and steps neither the
@@ -11,8 +11,8 @@ without clipping), and
 After ``max_consecutive_skipped_steps`` skipped steps in a row it raises
 :class:`NonFiniteStepsError`, naming the step: a run whose every step is NaN stops instead of
 spinning. The norm is that of the optimizer's own parameters (under FSDP2 the sharded DTensors
-that hold the gradients, see ``rl/update.py``), reduced over every shard with ``full_tensor``, so
-every rank takes the same decision.
+that hold the gradients), reduced over every shard with ``full_tensor``, so every rank takes the
+same decision.
 
 :func:`check_finite_weights` refuses a checkpoint whose weights hold NaN or inf.
 """
