@@ -144,8 +144,8 @@ class TrainStep:
             raise ValueError("TrainStep: got no micro-batches")
         total = self._total_units(micro_batches, objective)
         if total.tokens == 0:
-            warnings.warn("TrainStep: the accumulated batch has no units (all labels ignored); "
-                          "optimizer step skipped")
+            warnings.warn("TrainStep: the accumulated batch has no units (no label in the loss on any rank: "
+                          "all ignored or masked); optimizer step skipped")
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss=0.0, num_units=0, grad_norm=None, stepped=False,
                               skipped_steps=self.guard.skipped_steps, units=total)
