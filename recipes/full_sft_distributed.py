@@ -1,8 +1,11 @@
 """Full fine-tuning with FSDP2 (torchtune's shard_model) over all ranks.
 Run: tune run --nproc_per_node 2 full_sft_distributed --config configs/qwen2_5_0_5b_full.yaml
 
-The loss is whatever ``loss._component_`` names (logitless.losses.*); the recipe only uses the loss
-protocol. Everything else lives in :mod:`logitless.training` (see SFTRecipe).
+The loop is full_sft_single_device's (``SFTRecipe`` in ``recipes/full_sft_single_device.py``: read
+it there, or copy it with ``logitless cp full_sft_single_device my_sft.py`` to change it). This recipe
+runs it with ``distributed=True``: the Runtime joins the process group, FSDP2 shards the model
+(``fsdp_*`` keys), each rank loads ``batch_size`` rows of every micro-batch, and the loss is the
+mean over the tokens of all ranks, so a run matches one device given the same global batch.
 """
 
 import sys
@@ -12,12 +15,12 @@ import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 
-from logitless.training.sft_recipe import recipe_main
+from full_sft_single_device import run_sft
 
 
 @config.parse
 def main(cfg: DictConfig) -> None:
-    recipe_main(cfg, lora=False, distributed=True)
+    run_sft(cfg, lora=False, distributed=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """GRPO with FSDP2 (torchtune's shard_model) over all ranks, full or LoRA policy.
 Run: tune run --nproc_per_node 2 grpo_distributed --config configs/qwen_grpo.yaml
 
-Each rank samples its contiguous share of the step's prompts with the policy's weights gathered
-for the sampling, scores it, and trains on it; rewards, advantages, loss normalisers and metrics
-cover the whole batch, so a run matches grpo_single_device on the same seed. Everything lives in
-:mod:`logitless.rl` and :mod:`logitless.training` (see GRPORecipe and Runtime).
+The loop is grpo_single_device's (``GRPORecipe`` in ``recipes/grpo_single_device.py``: read it there,
+or copy it with ``logitless cp grpo_single_device my_grpo.py`` to change it). This recipe runs it
+with ``distributed=True``: each rank samples its contiguous share of the step's prompts with the
+policy's weights gathered for the sampling (or an unsharded rollout copy), scores it and trains on
+it; rewards, advantages, loss normalisers and metrics cover the whole batch, so a run matches
+grpo_single_device on the same seed.
 """
 
 import sys
@@ -14,12 +16,12 @@ import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 
-from logitless.rl.recipe import recipe_main
+from grpo_single_device import run_grpo
 
 
 @config.parse
 def main(cfg: DictConfig) -> None:
-    recipe_main(cfg, distributed=True)
+    run_grpo(cfg, distributed=True)
 
 
 if __name__ == "__main__":

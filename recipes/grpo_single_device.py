@@ -1,25 +1,241 @@
-"""GRPO on one device (GPU or CPU), full or LoRA policy.
+"""GRPO on one device (GPU or CPU), full or LoRA policy, and the GRPO loop grpo_distributed runs too.
 Run: tune run grpo_single_device --config configs/tiny_grpo.yaml
 
-Sampling (KV cache, last-position logits only), rewards, advantages and the policy update live in
-:mod:`logitless.rl`; the loss is ``logitless.losses.GRPOLoss`` through the loss protocol; checkpoints,
-resume, metric logging and progress come from :mod:`logitless.training` (see GRPORecipe, which
-grpo_distributed shares).
+This file is the GRPO recipe to read and edit (``logitless cp grpo_single_device my_grpo.py``):
+:class:`GRPORecipe` sets up from the config, then each step samples ``num_generations`` completions
+of ``prompts_per_step`` prompts, scores them with the configured rewards, computes group-relative
+advantages and runs ``num_iterations`` optimizer steps over the batch in micro-batches of
+``micro_batch_size`` completions with ``logitless.losses.GRPOLoss``. A ``lora_*`` model trains its
+adapters only (the reference is then the policy with its adapters disabled).
+
+``grpo_distributed`` runs this class with ``distributed=True``: each rank samples, scores and trains
+on its contiguous share of the step's prompts (a group never spans two ranks), from one random
+stream per prompt seeded by ``(seed, step, prompt index)``; rewards, lengths and truncation flags
+are gathered, so advantages, loss normalisers and every logged metric are those of the whole batch,
+and a run samples the same completions as one device does.
 """
 
 import sys
+import time
+from typing import Dict, List, Optional
 
 # before torchtune: registers ${logitless_asset:...} and drops torchao's import-time cpp-extension notice
 import logitless  # noqa: F401, I001
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config
+from torchtune import training as tt_training
 
-from logitless.rl.recipe import recipe_main
+from logitless.rl.advantages import group_advantages
+from logitless.rl.completion_log import CompletionLogger
+from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
+from logitless.rl.evaluation import greedy_accuracy
+from logitless.rl.metrics import gather_columns, rollout_metrics
+from logitless.rl.policy_sampler import PolicySampler
+from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, step_prompt_indices
+from logitless.rl.reference import build_reference
+from logitless.rl.reward_models import place_reward_models
+from logitless.rl.rewards import build_reward_specs, compute_rewards
+from logitless.rl.rollout import prompt_generators
+from logitless.rl.shared_batch import flex_available, packed_length, packing_attention, training_batch, \
+    use_prompt_sharing
+from logitless.rl.update import grpo_update
+from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
+                                         fsdp_options, load_resumed_weights, wrap_model)
+from logitless.training.cli import report_errors
+from logitless.training.distributed import Runtime, launched_world_size
+from logitless.training.metric_logging import build_metric_logger
+from logitless.training.nonfinite import NonFiniteGuard
+from logitless.training.preflight import check_device
+from logitless.training.progress import ProgressBar, busiest_rank_peak_memory_gib
+from logitless.training.resume import start_run
+from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
+from logitless.training.threads import apply_cpu_threads
+
+
+class GRPORecipe:
+    """GRPO on one device or with FSDP2 over every rank (see the module docstring).
+
+    Args:
+        cfg (DictConfig): the config (validated here, before anything is built).
+        distributed (bool): FSDP2 over the ranks of ``torchrun`` / ``tune run --nproc_per_node``.
+
+    Example:
+        >>> history = GRPORecipe(OmegaConf.load("configs/tiny_grpo.yaml")).run()
+        >>> history[-1]["reward/mean"]
+    """
+
+    def __init__(self, cfg: DictConfig, *, distributed: bool = False):
+        self.distributed = distributed
+        self.cfg = validate_grpo_config(cfg, distributed=distributed,
+                                        world_size=launched_world_size() if distributed else 1)
+        check_device(self.cfg.device)
+        self.is_lora = "lora_rank" in cfg.model
+        self.prompt_sharing = use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
+                                                 num_generations=cfg.num_generations)
+        self.history: List[Dict[str, float]] = []  # metrics of every step this process ran
+
+    def setup(self) -> None:
+        """Builds everything from the config, in an order that fails early: prompts, rewards and
+        sampler are checked before the output folder is claimed, the folder and resume before the
+        policy is built."""
+        cfg = self.cfg
+        apply_cpu_threads(cfg.cpu_threads, cfg.device)
+        self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
+        self.device = self.runtime.device
+        self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
+        self.seed = tt_training.set_seed(cfg.seed)
+        self.tokenizer, self.dataset, self.eval_dataset = build_prompt_datasets(cfg)
+        self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
+        place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
+        self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
+        for key in ("dataset", "eval_dataset"):  # every prompt fits the sampler's length limit
+            if getattr(self, key) is not None:
+                setattr(self, key, fit_prompts(getattr(self, key), key, cfg, max_seq_len=self.sampler.max_seq_len,
+                                               max_new_tokens=self.sampler.max_new_tokens,
+                                               log=self.runtime.is_rank_zero))
+        # output_dir ownership, verified checkpoint, config changes: decided before the policy is built
+        start = start_run(cfg, fixed_keys=GRPO_FIXED_ON_RESUME, runtime=self.runtime,
+                          recipe="grpo_distributed" if self.distributed else "grpo_single_device")
+        self.ckpt = build_checkpoint_manager(cfg, self.runtime, run_id=start.run_id)
+        self.model = build_model_with_weights(cfg, self.ckpt, device=self.device, dtype=self.dtype, seed=self.seed,
+                                              lora=self.is_lora)
+        self.sampler.build_rollout_copy(cfg.model, dtype=self.dtype, seed=self.seed)
+        self.loss_fn = config.instantiate(cfg.loss)
+        self.loss_fn.set_model_output(self.model)
+        # the reference is the policy before any training (also when resuming)
+        self.reference = build_reference(self.model, getattr(self.loss_fn, "beta", 0.0), self.is_lora)
+        if start.checkpoint is not None:
+            load_resumed_weights(self.model, self.ckpt, start.checkpoint, lora=self.is_lora)
+        wrap_model(self.model, cfg, self.runtime)  # activation checkpointing, FSDP2
+        if self.reference is not None and self.reference.model is not self.model:  # a frozen copy: sharded alike
+            self.runtime.shard(self.reference.model, **fsdp_options(cfg))
+        self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
+        self.guard = NonFiniteGuard(cfg.max_consecutive_skipped_steps)
+        self.step, self.resumed = 0, start.recipe_state is not None
+        if start.recipe_state is not None:
+            self.step = start.recipe_state["step"]
+            restore_training_state(start.recipe_state, runtime=self.runtime, model=self.model,
+                                   optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, guard=self.guard,
+                                   changes=start.changes)
+        self.metric_logger = build_metric_logger(cfg.metric_logger, cfg.output_dir,
+                                                 is_rank_zero=self.runtime.is_rank_zero)
+        if not self.resumed and self.runtime.is_rank_zero:
+            self.metric_logger.log_config(cfg)
+
+    def train(self) -> None:
+        """Runs GRPO steps up to ``max_steps``: step, eval, metrics, completion tables, checkpoints."""
+        cfg, rank_zero = self.cfg, self.runtime.is_rank_zero
+        completion_log = CompletionLogger(cfg.output_dir, self.metric_logger, enabled=rank_zero,
+                                          every_n_steps=cfg.log_completions_every_n_steps,
+                                          num_rows=cfg.log_completions_num_rows)
+        bar = ProgressBar(cfg.max_steps, initial=self.step, enabled=rank_zero)
+        last_saved = self.step if self.resumed else -1
+        self.model.train()
+        while self.step < cfg.max_steps:
+            metrics = self.train_step(self.step)
+            self.step += 1
+            if cfg.eval_every_n_steps is not None and self.step % cfg.eval_every_n_steps == 0:
+                rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))][: cfg.eval_num_prompts]
+                metrics.update(greedy_accuracy(self.model, self.sampler, rows, self.rewards, runtime=self.runtime,
+                                               reward=cfg.eval_reward or self.rewards[0].name,
+                                               batch_size=cfg.eval_batch_size))
+            self.history.append({"step": self.step, **metrics})
+            bar.bar.set_description(f"reward {metrics['reward/mean']:.3f}", refresh=False)
+            bar.update(metrics)
+            if self.step % cfg.log_every_n_steps == 0 or self.step == cfg.max_steps:
+                self.metric_logger.log_dict(metrics, step=self.step)
+            if completion_log.due(self.step):
+                completion_log.log(self.step, *self.last_rollout)
+            if cfg.save_every_n_steps is not None and self.step % cfg.save_every_n_steps == 0:
+                self.save()
+                last_saved = self.step
+        if cfg.save_final_checkpoint and last_saved != self.step:
+            self.save()
+        bar.close()
+        self.ckpt.log_final(self.step)
+
+    def train_step(self, step: int) -> Dict[str, float]:
+        """One GRPO step (generation, rewards, advantages, update); returns the whole batch's metrics."""
+        cfg, group_size = self.cfg, self.cfg.num_generations
+        t0 = time.perf_counter()
+        share = self.runtime.share(cfg.prompts_per_step)  # this rank's prompts (equal shares: validated)
+        indices = step_prompt_indices(step, num_rows=len(self.dataset), prompts_per_step=cfg.prompts_per_step,
+                                      seed=self.seed)
+        rows = [self.dataset[indices[i]] for i in share]
+        with self.sampler.weights(self.model):
+            rollout, prompts, texts, fields = self.sampler.sample(self.model, rows, group_size,
+                                                                  prompt_generators(self.seed, step, share, self.device))
+        t_gen = time.perf_counter()
+        rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
+        batch_values = gather_columns({**rewards, "length": rollout.completion_lengths,
+                                       "truncated": rollout.truncated}, self.runtime.all_gather)
+        lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
+        advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
+        own_advantages = advantages[share.start * group_size:share.stop * group_size]
+        self.last_rollout = (prompts, texts, rewards, own_advantages)
+        attention = self._packing_attention(rollout)
+        batch = training_batch(rollout, prompt_sharing=attention is not None, pad_id=self.sampler.pad_id,
+                               ignore_index=self.loss_fn.ignore_index, attention=attention or "sdpa")
+        upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, own_advantages.to(self.device),
+                          micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
+                          reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
+                          lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None,
+                          guard=self.guard, step=step + 1)
+        if self.reference is not None:
+            self.runtime.release(self.reference.model)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_end = time.perf_counter()
+        n_tokens = float(self.runtime.all_reduce(torch.tensor(
+            float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()), dtype=torch.float64)))
+        return {**rollout_metrics(batch_values, lengths, truncated.bool()), **upd,
+                "prompt_sharing": float(attention is not None), "prompt_sharing_flex": float(attention == "flex"),
+                "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
+                "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
+                "tokens_per_second": n_tokens / (t_end - t0),
+                **busiest_rank_peak_memory_gib(self.device, self.runtime.all_reduce)}
+
+    def _packing_attention(self, rollout) -> Optional[str]:
+        """The attention this step's update packs each group with, or None for the expanded batch;
+        decided from the longest packed group over all ranks, so that every rank runs the same path."""
+        if not self.prompt_sharing:
+            return None
+        length = int(self.runtime.all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
+        return packing_attention(length, attention=self.cfg.prompt_sharing_attention,
+                                 max_seq_len=getattr(getattr(self.model, "_orig_mod", self.model), "max_seq_len", None),
+                                 flex_ok=flex_available(self.device), must_pack=self.cfg.prompt_sharing is True)
+
+    def save(self) -> None:
+        """A complete checkpoint of the current step (weights or adapters + optimizer, scheduler,
+        step, RNG); all ranks take part, rank 0 writes."""
+        state = {"step": self.step, **training_state(self.runtime, self.model, self.optimizer, self.lr_scheduler,
+                                                     self.guard, seed=self.seed, cfg=self.cfg)}
+        save_checkpoint(self.ckpt, self.runtime, self.model, step=self.step, epoch=0, recipe_state=state,
+                        lora_model_cfg=self.cfg.model if self.is_lora else None,
+                        merge_adapters=self.cfg.merge_adapters)
+
+    def cleanup(self) -> None:
+        self.metric_logger.close()
+        self.runtime.shutdown()
+
+    def run(self) -> List[Dict[str, float]]:
+        """``setup()``, ``train()``, ``cleanup()``; returns the metrics of every step this process ran."""
+        self.setup()
+        self.train()
+        self.cleanup()
+        return self.history
+
+
+@report_errors
+def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
+    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2."""
+    GRPORecipe(cfg, distributed=distributed).run()
 
 
 @config.parse
 def main(cfg: DictConfig) -> None:
-    recipe_main(cfg)
+    run_grpo(cfg, distributed=False)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """LoRA fine-tuning on one device; adapters saved separately (merged too with merge_adapters=True).
 Run: tune run lora_sft_single_device --config configs/tiny_lora.yaml
 
-The loss is whatever ``loss._component_`` names (logitless.losses.*); the recipe only uses the loss
-protocol. Everything else lives in :mod:`logitless.training` (see SFTRecipe).
+The loop is full_sft_single_device's (``SFTRecipe`` in ``recipes/full_sft_single_device.py``: read
+it there, or copy it with ``logitless cp full_sft_single_device my_sft.py`` to change it). This recipe
+runs it with ``lora=True``: the config's model must be a ``lora_*`` builder; only the adapters
+train, the base stays frozen, and every checkpoint saves the adapters (``adapter_model.pt`` and a
+PEFT ``adapter/`` folder) next to the base weights with the adapters merged (``merge_adapters``).
 """
 
 import sys
@@ -12,12 +15,12 @@ import logitless  # noqa: F401, I001
 from omegaconf import DictConfig
 from torchtune import config
 
-from logitless.training.sft_recipe import recipe_main
+from full_sft_single_device import run_sft
 
 
 @config.parse
 def main(cfg: DictConfig) -> None:
-    recipe_main(cfg, lora=True, distributed=False)
+    run_sft(cfg, lora=True, distributed=False)
 
 
 if __name__ == "__main__":

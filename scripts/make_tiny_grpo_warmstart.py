@@ -1,8 +1,8 @@
 """Makes the warm-start policy of configs/tiny_grpo.yaml with the SFT recipe (deterministic, ~10 s on a CPU).
 
 The bundled tiny Qwen2.5 model starts from random weights and would never emit a digit, so GRPO
-would see reward 0 everywhere. This script runs the SFT recipe (``logitless.training.SFTRecipe``,
-the body of ``full_sft_single_device``) on ``logitless.rl.prompts.arithmetic_warmstart_dataset`` ("a+b="
+would see reward 0 everywhere. This script runs the SFT recipe (``SFTRecipe`` of
+``recipes/full_sft_single_device.py``) on ``logitless.rl.prompts.arithmetic_warmstart_dataset`` ("a+b="
 followed by the sum and the end-of-turn token) and stops early, after 50 steps of 32 examples: the
 policy then answers in the right format ("<digit><|im_end|>") but is right only ~15% of the time
 (reward < 0.2), and GRPO takes it from there. The embedding of the bundled random init is rescaled
@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "components")]
+sys.path[:0] = [str(ROOT / "components"), str(ROOT / "recipes")]
 from logitless.datasets import TINY_CHECKPOINT_DIR  # noqa: E402
 from logitless.training.checkpoint import complete_checkpoints  # noqa: E402
-from logitless.training.sft_recipe import SFTRecipe  # noqa: E402
+from full_sft_single_device import SFTRecipe  # noqa: E402
 
 OUT = ROOT / "components/logitless/rl/assets/tiny_grpo_warmstart"
 

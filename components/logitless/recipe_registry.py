@@ -41,6 +41,7 @@ RECIPES: Tuple[Recipe, ...] = (
     Recipe("full_sft_single_device", _FULL, summary="full fine-tuning on one device"),
     Recipe("lora_sft_single_device", _LORA, summary="LoRA fine-tuning on one device"),
     Recipe("full_sft_distributed", _FULL, distributed=True, summary="full fine-tuning with FSDP2"),
+    Recipe("lora_sft_distributed", _LORA, distributed=True, summary="LoRA fine-tuning with FSDP2"),
     Recipe("grpo_single_device", _GRPO, summary="GRPO on one device"),
     Recipe("grpo_distributed", _GRPO, distributed=True, summary="GRPO with FSDP2"),
 )

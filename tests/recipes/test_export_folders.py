@@ -13,7 +13,7 @@ from safetensors import safe_open
 from logitless.datasets import TINY_CHECKPOINT_DIR, tiny_qwen2_5_tokenizer
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
 from logitless.training import CheckpointManager, complete_checkpoints
-from logitless.training.sft_recipe import SFTRecipe
+from full_sft_single_device import SFTRecipe
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from logitless.rl.recipe import GRPORecipe
+from grpo_single_device import GRPORecipe
 from logitless.training import read_disk_log
 from logitless.training.config import ConfigError
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from logitless.rl.completion_log import read_completions
-from logitless.rl.recipe import GRPORecipe
+from grpo_single_device import GRPORecipe
 from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
 
@@ -179,7 +179,7 @@ def test_prompt_sharing_config_errors(tmp_path, overrides, match):
 
 
 def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
-    from logitless.rl.recipe import validate_grpo_config
+    from logitless.rl.config import validate_grpo_config
 
     cfg = OmegaConf.load(ROOT / "configs/qwen_grpo.yaml")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([

@@ -21,7 +21,8 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 from logitless.training import CheckpointManager, ConfigError, complete_checkpoints, read_disk_log
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import verify_checkpoint
-from logitless.training.sft_recipe import SFTRecipe, validate_sft_config
+from full_sft_single_device import SFTRecipe
+from logitless.training.sft_config import validate_sft_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -307,7 +308,7 @@ def test_nan_run_skips_steps_stops_after_three_and_writes_no_nan_checkpoint(repo
 
 @pytest.mark.parametrize("value", [0, "three"])
 def test_max_consecutive_skipped_steps_is_validated(repo_cwd, tmp_path, value):
-    from logitless.rl.recipe import validate_grpo_config
+    from logitless.rl.config import validate_grpo_config
     from logitless.training.config import ConfigError
 
     cfg = tiny_config("tiny_full", tmp_path, max_consecutive_skipped_steps=value)

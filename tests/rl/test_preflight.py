@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from logitless.datasets import tiny_qwen2_5_tokenizer
 from logitless.rl.prompts import PromptDataset, arithmetic_dataset
 from logitless.rl.preflight import PromptSubset, fit_prompt_dataset
-from logitless.rl.recipe import GRPORecipe, validate_grpo_config
+from grpo_single_device import GRPORecipe
+from logitless.rl.config import validate_grpo_config
 from logitless.training import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

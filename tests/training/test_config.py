@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from logitless.training import ConfigError, Key, validate_config
-from logitless.training.sft_recipe import SFTRecipe
+from full_sft_single_device import SFTRecipe
 
 TINY = "configs/tiny_full.yaml"
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from logitless.training import ConfigError
 from logitless.training.cli import CONFIG_ERROR_EXIT_CODE, report_errors
 from logitless.training.preflight import ModelLimits, RowSubset, check_optimizer, fit_sft_dataset, model_limits
-from logitless.training.sft_recipe import SFTRecipe
+from full_sft_single_device import SFTRecipe
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""GRPO parts: sampling with a KV cache, rewards, group advantages, the policy update and the recipe body.
+"""GRPO parts: sampling with a KV cache, rewards, group advantages, the policy update, and the set-up
+and evaluation pieces of the GRPO recipes (config, prompts, policy sampler; the loop is in ``recipes/``).
 
 Example:
     >>> from logitless.rl import generate, policy_batch, group_advantages, compute_rewards

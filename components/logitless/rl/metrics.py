@@ -4,7 +4,7 @@ Computed from the whole step's rollout (on several ranks, from the gathered per-
 so a data-parallel run logs the same numbers as one device sampling the same completions.
 """
 
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -37,3 +37,23 @@ def rollout_metrics(rewards: Dict[str, torch.Tensor], lengths: torch.Tensor,
     out.update({"completion_length/mean": float(lengths.mean()), "completion_length/max": float(lengths.max()),
                 "truncated_fraction": float(truncated.float().mean())})
     return out
+
+
+def gather_columns(columns: Dict[str, torch.Tensor], all_gather: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> Dict[str, torch.Tensor]:
+    """Every rank's per-completion values, in batch order, with one collective for all columns.
+
+    Args:
+        columns (Dict[str, torch.Tensor]): ``{name: (n,)}`` for this rank's completions.
+        all_gather (Callable): ``Runtime.all_gather`` (concatenates the ranks' rows in rank order).
+
+    Returns:
+        Dict[str, torch.Tensor]: ``{name: (N,)}`` float32 on the CPU, N completions over all ranks.
+
+    Example:
+        >>> gather_columns({"total": torch.tensor([1.0, 0.0])}, lambda t: t)["total"]
+        tensor([1., 0.])
+    """
+    names = list(columns)
+    table = all_gather(torch.stack([columns[k].float().cpu() for k in names], dim=1))
+    return {k: table[:, i] for i, k in enumerate(names)}

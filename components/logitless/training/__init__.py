@@ -1,4 +1,4 @@
-"""Shared training machinery for the SFT and GRPO recipes.
+"""Shared training machinery for the SFT and GRPO recipes (their loops live in ``recipes/``).
 
 One concern per module:
 
@@ -21,7 +21,12 @@ One concern per module:
 - :mod:`~logitless.training.progress`: tqdm bar, tokens/s, peak memory.
 - :mod:`~logitless.training.metric_logging`: torchtune metric loggers (DiskLogger by default).
 - :mod:`~logitless.training.sft`: :class:`SFTObjective` (forward + label shift + loss contract).
-- :mod:`~logitless.training.sft_recipe`: :class:`SFTRecipe`, the body of the three SFT recipes.
+- :mod:`~logitless.training.sft_config`: the SFT recipes' config schema and :func:`validate_sft_config`.
+- :mod:`~logitless.training.sft_data`: the SFT tokenizer, fitted dataset and loader with the run's step counts.
+- :mod:`~logitless.training.builders`: set-up steps of every recipe (checkpoint manager, model with its
+  weights, activation checkpointing / compile / FSDP2, optimizer and LR schedule).
+- :mod:`~logitless.training.run_state`: the state a checkpoint saves besides the weights, restoring it,
+  and :func:`save_checkpoint`.
 - :mod:`~logitless.training.threads`: ``cpu_threads`` (torch's CPU threads per recipe process, ``auto`` by default).
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from tqdm import tqdm
@@ -30,6 +30,21 @@ def peak_memory_gib(device: torch.device) -> Dict[str, float]:
                 "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+def busiest_rank_peak_memory_gib(device: torch.device, all_reduce: Callable[..., torch.Tensor]) -> Dict[str, float]:
+    """:func:`peak_memory_gib` of the rank that peaked highest (every rank calls it).
+
+    Args:
+        device (torch.device): the training device.
+        all_reduce (Callable): ``Runtime.all_reduce`` (``op="max"`` over the ranks).
+
+    Returns:
+        Dict[str, float]: the keys of :func:`peak_memory_gib`, each the maximum over the ranks.
+    """
+    mem = peak_memory_gib(device)
+    peaks = all_reduce(torch.tensor(list(mem.values()), dtype=torch.float64), op="max")
+    return dict(zip(mem, peaks.tolist()))
 
 
 class StepTimer:

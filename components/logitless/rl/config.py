@@ -1,0 +1,158 @@
+"""The GRPO recipes' config: its keys (:data:`GRPO_SCHEMA`), the keys a resume may not change, and
+:func:`validate_grpo_config`, which checks a whole config (generation, rewards, batch geometry over
+the ranks, prompt sharing) before anything is built.
+
+Used by both GRPO recipes (``recipes/grpo_single_device.py`` holds their loop).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from logitless.rl.preflight import check_generation
+from logitless.rl.rewards import build_reward_specs
+from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
+from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
+from logitless.training.config import ConfigError, Key, validate_config
+from logitless.training.distributed import FSDP_KEYS
+from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer
+from logitless.training.resume import RESUME_KEYS, validate_resume_config
+from logitless.training.threads import CPU_THREADS_KEY, check_cpu_threads
+
+GRPO_SCHEMA: Dict[str, Key] = {
+    "output_dir": Key(str, doc="folder for checkpoints and logs"),
+    "model": Key(component=True, doc="model builder (a lora_* builder trains LoRA adapters only)"),
+    "tokenizer": Key(component=True),
+    "dataset": Key(component=True, positional=1, doc="prompt dataset, called with the tokenizer"),
+    "eval_dataset": Key((None,), default=None, component=True, positional=1),
+    "rewards": Key(list, doc="list of {function: dotted.path, weight: float, name: str}"),
+    "loss": Key(component=True, doc="logitless.losses.GRPOLoss"),
+    "optimizer": Key(component=True, positional=1),
+    "lr_scheduler": Key((None,), default=None, component=True, positional=1),
+    "checkpointer": Key((None,), default=None, component=True),
+    "metric_logger": Key((None,), default=None, component=True),
+    "model_init": Key(str, default="checkpoint", choices=("checkpoint", "random")),
+    **RESUME_KEYS,
+    "seed": Key(int, default=0),
+    "device": Key(str, default="auto"),
+    "dtype": Key(str, default="bf16", choices=("bf16", "fp32")),
+    "cpu_threads": CPU_THREADS_KEY,
+    "max_steps": Key(int, min=1, doc="GRPO steps (one generation batch each)"),
+    "prompts_per_step": Key(int, min=1),
+    "num_generations": Key(int, min=2, doc="completions per prompt (G); >= 2 to form a group"),
+    "micro_batch_size": Key(int, min=1, doc="completions per forward/backward"),
+    "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
+    "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
+                          doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G "
+                              "and the packed group is short enough to pay, decided per step)"),
+    "prompt_sharing_attention": Key(str, default="auto", choices=ATTENTION_SETTINGS,
+                                    doc="attention of the packed groups: auto (sdpa up to 12288 packed tokens, "
+                                        "flex beyond on CUDA), sdpa (dense mask, any device) or flex "
+                                        "(FlexAttention block mask, CUDA; compiles once per 1024-token bucket)"),
+    "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
+    "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
+    "clip_grad_norm": Key((float, None), default=None),
+    "max_consecutive_skipped_steps": Key((int, None), default=3, min=1,
+                                         doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
+                                             "stop after this many in a row (null: never)"),
+    "enable_activation_checkpointing": Key(bool, default=False),
+    "log_every_n_steps": Key(int, default=1, min=1),
+    "log_completions_every_n_steps": Key((int, None), default=None, min=1,
+                                         doc="completion table (prompt, completion, rewards, advantage) every N steps"),
+    "log_completions_num_rows": Key((int, None), default=8, min=1, doc="completions per table (null: all)"),
+    "save_every_n_steps": Key((int, None), default=None, min=1),
+    "save_final_checkpoint": Key(bool, default=True),
+    "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
+    "merge_adapters": Key(bool, default=True, doc="LoRA: save merged HF weights in every checkpoint (a complete "
+                                                   "model folder); False: adapters only (docs/export.md)"),
+    "eval_every_n_steps": Key((int, None), default=None, min=1),
+    "eval_num_prompts": Key((int, None), default=None, min=1),
+    "eval_batch_size": Key(int, default=64, min=1),
+    "eval_reward": Key((str, None), default=None, doc="reward whose mean is eval accuracy (default: first)"),
+    "on_too_long": Key(str, default="drop", choices=ON_TOO_LONG,
+                       doc="prompts with prompt + max_new_tokens > the model's max_seq_len: drop, keep their end "
+                           "(truncate), or stop with an error; counts are logged at start"),
+}
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
+                        "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
+                        "checkpointer.checkpoint_files", "checkpointer.model_type")
+_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
+
+
+def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
+    """Validates a GRPO config before anything is built.
+
+    Args:
+        cfg (DictConfig): the config.
+        distributed (bool): the FSDP2 recipe (adds the ``fsdp_*`` keys; ``generation.compile`` refused).
+        world_size (int): ranks the step's prompts are split over.
+
+    Returns:
+        DictConfig: ``cfg`` with defaults filled in.
+
+    Raises:
+        ConfigError: naming the key, what it holds and what was expected.
+
+    Example:
+        >>> validate_grpo_config(OmegaConf.load("configs/tiny_grpo.yaml"), distributed=True, world_size=4)
+    """
+    skip = ["checkpointer"] if cfg.get("model_init", "checkpoint") == "random" else []
+    # a synthetic tokenizer/dataset swapped in by one _component_ override ignores the real one's files
+    skip += [k for k in ("tokenizer", "dataset", "eval_dataset")
+             if isinstance(cfg.get(k), DictConfig) and "synthetic" in str(cfg[k].get("_component_", ""))]
+    validate_config(cfg, {**GRPO_SCHEMA, **(FSDP_KEYS if distributed else {})}, skip_file_checks=skip)
+    validate_resume_config(cfg, GRPO_FIXED_ON_RESUME)
+    if cfg.model_init == "checkpoint" and cfg.checkpointer is None:
+        raise ConfigError("config key 'checkpointer': required when model_init='checkpoint' (or model_init=random)")
+    gen = cfg.generation
+    if not isinstance(gen, DictConfig) or "max_new_tokens" not in gen:
+        raise ConfigError(f"config key 'generation': expected a mapping with max_new_tokens, got {gen!r}")
+    unknown = set(gen.keys()) - _GEN_KEYS
+    if unknown:
+        raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
+    check_generation(gen)
+    check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
+    check_cpu_threads(cfg.cpu_threads)
+    check_optimizer(cfg.optimizer)
+    if cfg.prompts_per_step % world_size:
+        raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
+                          f"over {world_size} ranks; expected a multiple of the world size {world_size}")
+    n = cfg.prompts_per_step // world_size * cfg.num_generations
+    if n % cfg.micro_batch_size:
+        per = "per step (prompts_per_step x num_generations)" if world_size == 1 else \
+            f"per rank (prompts_per_step / {world_size} ranks x num_generations)"
+        raise ConfigError(f"config key 'micro_batch_size': {cfg.micro_batch_size} does not divide the "
+                          f"{n} completions {per}")
+    try:
+        use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
+                           num_generations=cfg.num_generations)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    temp = float(gen.get("temperature", 1.0))
+    loss_temp = float(cfg.loss.get("temperature", 1.0))
+    if temp > 0 and not math.isclose(temp, loss_temp):
+        raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
+                          f"the log-probs must use the sampling temperature (set loss.temperature: "
+                          f"${{generation.temperature}})")
+    if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
+                          f"CUDA available: {torch.cuda.is_available()}); use 'sdpa'")
+    sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
+    on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    try:
+        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
+                      cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
+    except ValueError as e:
+        raise ConfigError(f"config key 'generation': {e}") from None
+    if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
+        raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
+    build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry
+    return cfg
+
+
+__all__ = ["GRPO_FIXED_ON_RESUME", "GRPO_SCHEMA", "validate_grpo_config"]

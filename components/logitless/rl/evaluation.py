@@ -1,0 +1,44 @@
+"""Greedy evaluation of a GRPO policy on held-out prompts (``eval_every_n_steps``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+import torch
+from torch import nn
+
+from logitless.rl.policy_sampler import PolicySampler
+from logitless.rl.rewards import RewardSpec, compute_rewards
+from logitless.training.distributed import Runtime
+
+
+@torch.no_grad()
+def greedy_accuracy(policy: nn.Module, sampler: PolicySampler, rows: Sequence[Dict[str, Any]],
+                    rewards: Sequence[RewardSpec], *, reward: str, batch_size: int, runtime: Runtime) -> Dict[str, float]:
+    """Mean of the reward ``reward`` over one greedy completion per prompt, the prompts split over the ranks.
+
+    Args:
+        policy (nn.Module): the policy (sharded or not).
+        sampler (PolicySampler): samples it.
+        rows (Sequence[Dict]): the evaluation prompts (every rank passes all of them).
+        rewards (Sequence[RewardSpec]): the run's reward functions.
+        reward (str): the name of the one whose mean is the accuracy.
+        batch_size (int): prompts per sampler call.
+        runtime (Runtime): splits the prompts and sums the scores over the ranks.
+
+    Returns:
+        Dict[str, float]: ``{"eval/accuracy": mean score}``.
+    """
+    rows = [rows[i] for i in runtime.share(len(rows))]
+    total = torch.zeros(2, dtype=torch.float64)  # score sum, prompts
+    with sampler.weights(policy):
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            _, prompts, texts, fields = sampler.sample(policy, chunk, 1, None, evaluation=True, temperature=0.0)
+            scores = compute_rewards(rewards, prompts, texts, fields, batch_id="eval")[reward]
+            total += torch.tensor([float(scores.double().sum()), len(chunk)], dtype=torch.float64)
+    total = runtime.all_reduce(total)
+    return {"eval/accuracy": float(total[0] / total[1])}
+
+
+__all__ = ["greedy_accuracy"]

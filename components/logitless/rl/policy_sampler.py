@@ -1,0 +1,141 @@
+"""Sampling completions from the policy for a GRPO step or an evaluation, on one device or sharded.
+
+:class:`PolicySampler` holds what the config's ``generation:`` block sets up once (the sampler chosen
+by ``generation.backend``, the sampling arguments, the stop tokens checked against the vocabulary)
+and how a sharded policy is sampled: through an unsharded rollout copy refreshed from the shards
+before each sampling phase (``generation.rollout_copy``; the compiled sampler needs weights whose
+storage never moves), or with the shards gathered for the phase (``Runtime.full_weights``).
+
+Example:
+    >>> sampler = PolicySampler.from_config(cfg, tokenizer, runtime)
+    >>> sampler.build_rollout_copy(cfg.model, dtype=dtype, seed=seed)  # after start_run: builds a model
+    >>> with sampler.weights(policy):
+    ...     rollout, prompts, texts, fields = sampler.sample(policy, rows, 4, generators)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from logitless.rl.preflight import check_stop_tokens
+from logitless.rl.rollout import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
+from logitless.training import model as model_utils
+from logitless.training.distributed import Runtime
+from logitless.training.preflight import model_limits
+
+
+class PolicySampler:
+    """Samples a policy's completions and decodes them.
+
+    Args:
+        sample_fn (Callable): the training sampler (``generate``'s call).
+        eval_sample_fn (Callable): the evaluation sampler.
+        gen_kwargs (Dict[str, Any]): the sampling arguments (``max_new_tokens``, ``temperature``,
+            ``top_k``, ``top_p``, ``stop_tokens``).
+        tokenizer (Any): decodes completions; its ``pad_id`` (0 when None) left-pads prompts.
+        runtime (Runtime): gathers a sharded policy's weights.
+        rollout_copy (bool): sample through an unsharded copy (:meth:`build_rollout_copy` builds it).
+        max_seq_len (Optional[int]): the longest sequence the sampler can run (model and
+            ``generation.max_cache_len``); None when unknown.
+    """
+
+    def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, gen_kwargs: Dict[str, Any], tokenizer: Any,
+                 runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None):
+        self.sample_fn, self.eval_sample_fn, self.gen_kwargs = sample_fn, eval_sample_fn, gen_kwargs
+        self.tokenizer, self.runtime = tokenizer, runtime
+        self.pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else 0
+        self.rollout_copy, self.max_seq_len = rollout_copy, max_seq_len
+        self.rollout_model: Optional[nn.Module] = None
+        self._rollout_synced = False
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, tokenizer: Any, runtime: Runtime) -> "PolicySampler":
+        """The sampler of a validated GRPO config (nothing is built that holds weights).
+
+        Args:
+            cfg (DictConfig): the config (``generation``, ``model``, ``fsdp_cpu_offload``).
+            tokenizer (Any): its ``stop_tokens`` (or ``eos_id``) end completions unless
+                ``generation.stop_tokens`` is set.
+            runtime (Runtime): where the policy lives, and whether it is sharded.
+
+        Returns:
+            PolicySampler: the sampler.
+
+        Raises:
+            ConfigError: a stop token outside the model's vocabulary.
+        """
+        gen = OmegaConf.to_container(cfg.generation, resolve=True)
+        limits = model_limits(cfg.model)
+        check_stop_tokens(gen.get("stop_tokens", []), limits.vocab_size, "generation.stop_tokens")
+        gen.setdefault("stop_tokens", list(getattr(tokenizer, "stop_tokens", [tokenizer.eos_id])))
+        check_stop_tokens(gen["stop_tokens"], limits.vocab_size, "tokenizer")
+        known = [v for v in (limits.max_seq_len, gen.get("max_cache_len")) if v is not None]
+        options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
+        offload = bool(cfg.get("fsdp_cpu_offload", False))
+        sample_fn, eval_sample_fn = build_sampler(options, runtime.device, sharded=runtime.distributed,
+                                                  cpu_offload=offload)
+        return cls(sample_fn, eval_sample_fn, gen, tokenizer, runtime,
+                   rollout_copy=uses_rollout_copy(options, runtime.device, sharded=runtime.distributed,
+                                                  cpu_offload=offload),
+                   max_seq_len=min(known) if known else None)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen_kwargs["max_new_tokens"]
+
+    def build_rollout_copy(self, model_cfg: DictConfig, *, dtype: torch.dtype, seed: int) -> None:
+        """Builds the unsharded copy the policy is sampled through, when the sampler uses one."""
+        if self.rollout_copy:
+            self.rollout_model = model_utils.build_model(model_cfg, device=self.runtime.device, dtype=dtype,
+                                                         seed=seed).eval().requires_grad_(False)
+
+    @contextlib.contextmanager
+    def weights(self, policy: nn.Module) -> Iterator[None]:
+        """The policy's full weights for a sampling phase (every rank enters it).
+
+        Refreshes the rollout copy from the shards, or, without a copy, keeps the shards gathered
+        for the phase (``Runtime.full_weights``; a no-op on one device).
+        """
+        if self.rollout_model is not None:
+            # Frozen weights (a LoRA policy's base) cannot change: copied once.
+            self.runtime.copy_full_weights(policy, self.rollout_model, trainable_only=self._rollout_synced)
+            self._rollout_synced = True
+            yield
+            return
+        with self.runtime.full_weights(policy):
+            yield
+
+    def sample(self, policy: nn.Module, rows: Sequence[Dict[str, Any]], num_generations: int, generator: Any,
+               *, evaluation: bool = False, **overrides: Any) -> Tuple[Rollout, List[str], List[str], Dict[str, list]]:
+        """``num_generations`` completions of each row's prompt (inside :meth:`weights`).
+
+        Args:
+            policy (nn.Module): the policy (sampled through its rollout copy when there is one).
+            rows (Sequence[Dict]): dataset rows (``prompt_tokens``, ``prompt`` and other columns).
+            num_generations (int): completions per prompt.
+            generator (Any): the random streams (one per prompt), or None for greedy sampling.
+            evaluation (bool): use the evaluation sampler.
+            **overrides: sampling arguments for this call (``temperature=0.0``).
+
+        Returns:
+            Tuple: the rollout, and per completion (in rollout order) its prompt text, its decoded
+            text and the row's other columns (``{column: [value, ...]}``).
+        """
+        sample = self.eval_sample_fn if evaluation else self.sample_fn
+        model = self.rollout_model if self.rollout_model is not None else policy
+        rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
+                         pad_id=self.pad_id, generator=generator, **{**self.gen_kwargs, **overrides})
+        texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
+                 for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
+        fields = {k: [r[k] for r in rows for _ in range(num_generations)]
+                  for k in rows[0] if k not in ("prompt", "prompt_tokens")}
+        return rollout, prompts, texts, fields
+
+
+__all__ = ["PolicySampler"]
