@@ -17,7 +17,7 @@ and a run samples the same completions as one device does.
 
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 # before torchtune: registers ${logitless_asset:...} and drops torchao's import-time cpp-extension notice
 import logitless  # noqa: F401, I001
@@ -37,8 +37,7 @@ from logitless.rl.reference import build_reference
 from logitless.rl.reward_models import place_reward_models
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 from logitless.rl.rollout import prompt_generators
-from logitless.rl.shared_batch import flex_available, packed_length, packing_attention, training_batch, \
-    use_prompt_sharing
+from logitless.rl.shared_batch import step_packing_attention, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
                                          fsdp_options, load_resumed_weights, wrap_model)
@@ -89,11 +88,10 @@ class GRPORecipe:
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
-        for key in ("dataset", "eval_dataset"):  # every prompt fits the sampler's length limit
-            if getattr(self, key) is not None:
-                setattr(self, key, fit_prompts(getattr(self, key), key, cfg, max_seq_len=self.sampler.max_seq_len,
-                                               max_new_tokens=self.sampler.max_new_tokens,
-                                               log=self.runtime.is_rank_zero))
+        limits = dict(max_seq_len=self.sampler.max_seq_len, max_new_tokens=self.sampler.max_new_tokens,
+                      log=self.runtime.is_rank_zero)  # every prompt must fit the sampler's length limit
+        self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
+        self.eval_dataset = fit_prompts(self.eval_dataset, "eval_dataset", cfg, **limits)
         # output_dir ownership, verified checkpoint, config changes: decided before the policy is built
         start = start_run(cfg, fixed_keys=GRPO_FIXED_ON_RESUME, runtime=self.runtime,
                           recipe="grpo_distributed" if self.distributed else "grpo_single_device")
@@ -113,7 +111,7 @@ class GRPORecipe:
         self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
         self.guard = NonFiniteGuard(cfg.max_consecutive_skipped_steps)
         self.step, self.resumed = 0, start.recipe_state is not None
-        if start.recipe_state is not None:
+        if self.resumed:
             self.step = start.recipe_state["step"]
             restore_training_state(start.recipe_state, runtime=self.runtime, model=self.model,
                                    optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, guard=self.guard,
@@ -136,8 +134,8 @@ class GRPORecipe:
             metrics = self.train_step(self.step)
             self.step += 1
             if cfg.eval_every_n_steps is not None and self.step % cfg.eval_every_n_steps == 0:
-                rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))][: cfg.eval_num_prompts]
-                metrics.update(greedy_accuracy(self.model, self.sampler, rows, self.rewards, runtime=self.runtime,
+                metrics.update(greedy_accuracy(self.model, self.sampler, self.eval_dataset, self.rewards,
+                                               num_prompts=cfg.eval_num_prompts, runtime=self.runtime,
                                                reward=cfg.eval_reward or self.rewards[0].name,
                                                batch_size=cfg.eval_batch_size))
             self.history.append({"step": self.step, **metrics})
@@ -174,7 +172,9 @@ class GRPORecipe:
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
         own_advantages = advantages[share.start * group_size:share.stop * group_size]
         self.last_rollout = (prompts, texts, rewards, own_advantages)
-        attention = self._packing_attention(rollout)
+        attention = step_packing_attention(rollout, self.model, enabled=self.prompt_sharing, device=self.device,
+                                           attention=cfg.prompt_sharing_attention,
+                                           must_pack=cfg.prompt_sharing is True, all_reduce=self.runtime.all_reduce)
         batch = training_batch(rollout, prompt_sharing=attention is not None, pad_id=self.sampler.pad_id,
                                ignore_index=self.loss_fn.ignore_index, attention=attention or "sdpa")
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, own_advantages.to(self.device),
@@ -195,16 +195,6 @@ class GRPORecipe:
                 "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
                 "tokens_per_second": n_tokens / (t_end - t0),
                 **busiest_rank_peak_memory_gib(self.device, self.runtime.all_reduce)}
-
-    def _packing_attention(self, rollout) -> Optional[str]:
-        """The attention this step's update packs each group with, or None for the expanded batch;
-        decided from the longest packed group over all ranks, so that every rank runs the same path."""
-        if not self.prompt_sharing:
-            return None
-        length = int(self.runtime.all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
-        return packing_attention(length, attention=self.cfg.prompt_sharing_attention,
-                                 max_seq_len=getattr(getattr(self.model, "_orig_mod", self.model), "max_seq_len", None),
-                                 flex_ok=flex_available(self.device), must_pack=self.cfg.prompt_sharing is True)
 
     def save(self) -> None:
         """A complete checkpoint of the current step (weights or adapters + optimizer, scheduler,

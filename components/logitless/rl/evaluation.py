@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -13,14 +13,15 @@ from logitless.training.distributed import Runtime
 
 
 @torch.no_grad()
-def greedy_accuracy(policy: nn.Module, sampler: PolicySampler, rows: Sequence[Dict[str, Any]],
-                    rewards: Sequence[RewardSpec], *, reward: str, batch_size: int, runtime: Runtime) -> Dict[str, float]:
+def greedy_accuracy(policy: nn.Module, sampler: PolicySampler, dataset: Any, rewards: Sequence[RewardSpec], *,
+                    num_prompts: Optional[int], reward: str, batch_size: int, runtime: Runtime) -> Dict[str, float]:
     """Mean of the reward ``reward`` over one greedy completion per prompt, the prompts split over the ranks.
 
     Args:
         policy (nn.Module): the policy (sharded or not).
         sampler (PolicySampler): samples it.
-        rows (Sequence[Dict]): the evaluation prompts (every rank passes all of them).
+        dataset (Any): the evaluation prompts.
+        num_prompts (Optional[int]): evaluate the first this many (None: all).
         rewards (Sequence[RewardSpec]): the run's reward functions.
         reward (str): the name of the one whose mean is the accuracy.
         batch_size (int): prompts per sampler call.
@@ -29,6 +30,7 @@ def greedy_accuracy(policy: nn.Module, sampler: PolicySampler, rows: Sequence[Di
     Returns:
         Dict[str, float]: ``{"eval/accuracy": mean score}``.
     """
+    rows = [dataset[i] for i in range(len(dataset))][:num_prompts]
     rows = [rows[i] for i in runtime.share(len(rows))]
     total = torch.zeros(2, dtype=torch.float64)  # score sum, prompts
     with sampler.weights(policy):

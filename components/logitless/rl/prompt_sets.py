@@ -39,12 +39,12 @@ def build_prompt_datasets(cfg: DictConfig) -> Tuple[Any, Any, Optional[Any]]:
     return tokenizer, dataset, eval_dataset
 
 
-def fit_prompts(dataset: Any, key: str, cfg: DictConfig, *, max_seq_len: Optional[int], max_new_tokens: int,
-                log: bool) -> Any:
+def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, max_seq_len: Optional[int],
+                max_new_tokens: int, log: bool) -> Optional[Any]:
     """``dataset`` with every prompt fitted to ``max_seq_len - max_new_tokens`` (``on_too_long``).
 
     Args:
-        dataset (Any): prompt rows (``prompt_tokens``).
+        dataset (Optional[Any]): prompt rows (``prompt_tokens``); None (no evaluation set) is returned as is.
         key (str): its config key, for messages.
         cfg (DictConfig): the config (``on_too_long``).
         max_seq_len (Optional[int]): the longest sequence the sampler runs (None: unknown).
@@ -52,11 +52,13 @@ def fit_prompts(dataset: Any, key: str, cfg: DictConfig, *, max_seq_len: Optiona
         log (bool): log the counts (rank 0).
 
     Returns:
-        Any: the dataset to sample from.
+        Optional[Any]: the dataset to sample from.
 
     Raises:
         ConfigError: too-long prompts with ``on_too_long: error``, or no prompt left.
     """
+    if dataset is None:
+        return None
     dataset, report = fit_prompt_dataset(dataset, max_seq_len=max_seq_len, max_new_tokens=max_new_tokens,
                                          on_too_long=cfg.on_too_long, key=key)
     if log:

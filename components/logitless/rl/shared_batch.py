@@ -10,7 +10,7 @@ head of the expanded batch), so :func:`logitless.rl.update.grpo_update` and ``GR
 """
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -300,6 +300,31 @@ def packing_attention(length: int, *, attention: str, max_seq_len: Optional[int]
         attention = "sdpa" if short or not flex_ok else "flex"
     fits = (max_seq_len is None or length <= max_seq_len) and (attention == "flex" or short)
     return attention if fits or must_pack else None
+
+
+def step_packing_attention(rollout: Rollout, model: nn.Module, *, enabled: bool, attention: str, must_pack: bool,
+                           device: torch.device, all_reduce: Callable[..., torch.Tensor]) -> Optional[str]:
+    """:func:`packing_attention` for one GRPO step, decided from the longest packed group over all
+    ranks (every rank calls it), so that every rank runs the same path.
+
+    Args:
+        rollout (Rollout): this rank's share of the step's completions.
+        model (nn.Module): the policy (its ``max_seq_len`` bounds a packed group).
+        enabled (bool): :func:`use_prompt_sharing`'s answer for the run (False: always expanded).
+        attention (str): the ``prompt_sharing_attention`` setting.
+        must_pack (bool): ``prompt_sharing: true``.
+        device (torch.device): the training device (FlexAttention needs CUDA).
+        all_reduce (Callable): ``Runtime.all_reduce``.
+
+    Returns:
+        Optional[str]: ``"sdpa"``, ``"flex"``, or None (expanded batch).
+    """
+    if not enabled:
+        return None
+    length = int(all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
+    max_seq_len = getattr(unwrap_compiled(model), "max_seq_len", None)
+    return packing_attention(length, attention=attention, max_seq_len=max_seq_len,
+                             flex_ok=flex_available(device), must_pack=must_pack)
 
 
 def use_prompt_sharing(setting, *, micro_batch_size: int, num_generations: int) -> bool:
