@@ -32,8 +32,12 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{recipe.name if i == 0 else '':<{width}}{name}")
     print("\nRun one with:  tune run RECIPE --config PATH   (from the repo: --config configs/NAME.yaml)")
     print("          or:  logitless run RECIPE --config NAME")
-    print("Distributed:   tune run --nproc_per_node N full_sft_distributed|grpo_distributed --config ...")
+    print("Distributed:   tune run --nproc_per_node N full_sft_distributed|lora_sft_distributed|grpo_distributed "
+          "--config ...")
     print("Copy one out:  logitless cp NAME DEST")
+    loops = sorted({r.loop for r in registry.RECIPES if r.loop is not None})
+    print(f"Loops live in: {' and '.join(loops)}; the other recipes run one of them with LoRA and/or FSDP2 "
+          f"(copy it to change the loop)")
     return 0
 
 
@@ -53,6 +57,9 @@ def _how_to_run(src_kind: str, name: str, dest: Path) -> str:
     if registry.get_recipe(dest.stem) is not None:
         # tune run appends the cwd to sys.path: the installed module of that name would win
         how += f"\nRename it first: tune run would import the installed recipe {dest.stem!r}, not this copy."
+    if recipe is not None and recipe.loop is not None:
+        how += (f"\nThis file runs the loop of {recipe.loop} (it imports it); to change the loop, copy that one:  "
+                f"logitless cp {recipe.loop} DEST")
     return how
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from logitless.resources import CONFIGS_DIR
 
@@ -29,21 +29,24 @@ class Recipe:
         configs (Tuple[str, ...]): names of the configs it runs (``logitless/configs/NAME.yaml``).
         distributed (bool): launched with ``tune run --nproc_per_node N``.
         summary (str): one line for ``logitless ls``.
+        loop (Optional[str]): the recipe whose file holds the loop this one runs (None: its own file).
     """
 
     name: str
     configs: Tuple[str, ...]
     distributed: bool = False
     summary: str = ""
+    loop: Optional[str] = None
 
 
+_SFT_LOOP, _GRPO_LOOP = "full_sft_single_device", "grpo_single_device"
 RECIPES: Tuple[Recipe, ...] = (
     Recipe("full_sft_single_device", _FULL, summary="full fine-tuning on one device"),
-    Recipe("lora_sft_single_device", _LORA, summary="LoRA fine-tuning on one device"),
-    Recipe("full_sft_distributed", _FULL, distributed=True, summary="full fine-tuning with FSDP2"),
-    Recipe("lora_sft_distributed", _LORA, distributed=True, summary="LoRA fine-tuning with FSDP2"),
+    Recipe("lora_sft_single_device", _LORA, summary="LoRA fine-tuning on one device", loop=_SFT_LOOP),
+    Recipe("full_sft_distributed", _FULL, distributed=True, summary="full fine-tuning with FSDP2", loop=_SFT_LOOP),
+    Recipe("lora_sft_distributed", _LORA, distributed=True, summary="LoRA fine-tuning with FSDP2", loop=_SFT_LOOP),
     Recipe("grpo_single_device", _GRPO, summary="GRPO on one device"),
-    Recipe("grpo_distributed", _GRPO, distributed=True, summary="GRPO with FSDP2"),
+    Recipe("grpo_distributed", _GRPO, distributed=True, summary="GRPO with FSDP2", loop=_GRPO_LOOP),
 )
 
 

@@ -68,6 +68,21 @@ def test_cp_into_a_folder_keeps_the_file_name_and_adds_a_missing_suffix(tmp_path
     assert (tmp_path / "my_grpo.py").read_bytes() == (REPO / "recipes/grpo_single_device.py").read_bytes()
 
 
+def test_cp_of_an_entry_point_names_the_recipe_that_holds_its_loop(tmp_path, capsys):
+    """Every recipe either holds a loop (a class with setup/train/cleanup) or imports the one the
+    registry names, and copying it says where that loop is."""
+    from logitless.recipe_registry import RECIPES
+
+    for recipe in RECIPES:
+        source = (REPO / "recipes" / f"{recipe.name}.py").read_text()
+        if recipe.loop is None:
+            assert all(f"    def {m}(self)" in source for m in ("setup", "train", "cleanup")), recipe.name
+            continue
+        assert f"from {recipe.loop} import " in source and "class " not in source, recipe.name
+        assert cli.main(["cp", recipe.name, str(tmp_path / f"my_{recipe.name}.py")]) == 0
+        assert f"logitless cp {recipe.loop} DEST" in capsys.readouterr().out
+
+
 def test_cp_unknown_name_is_an_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["cp", "tiny_nothing", str(tmp_path / "x.yaml")])
