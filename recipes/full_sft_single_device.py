@@ -23,23 +23,21 @@ import logitless  # noqa: F401, I001
 import torch
 from omegaconf import DictConfig
 from torchtune import config
-from torchtune import training as tt_training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
-from logitless.training.builders import build_checkpoint_manager, build_model_with_weights, build_optimizer, wrap_model
+from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
+                                         setup_process, wrap_model)
 from logitless.training.cli import report_errors
 from logitless.training.dataloader import batch_to_device
-from logitless.training.distributed import Runtime
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import check_device
-from logitless.training.progress import ProgressBar, StepTimer, peak_memory_gib
+from logitless.training.progress import ProgressBar, StepTimer, is_due, peak_memory_gib
 from logitless.training.resume import start_run
 from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
 from logitless.training.sft import SFTObjective
 from logitless.training.sft_config import SFT_FIXED_ON_RESUME, validate_sft_config
 from logitless.training.sft_data import build_sft_dataloader, build_sft_dataset
 from logitless.training.step import TrainStep
-from logitless.training.threads import apply_cpu_threads
 
 
 class SFTRecipe:
@@ -66,11 +64,8 @@ class SFTRecipe:
         """Builds everything from the config, in an order that fails early: config and data checks
         claim no output folder, and the folder and resume are settled before the model is built."""
         cfg = self.cfg
-        apply_cpu_threads(cfg.cpu_threads, cfg.device)
-        self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
+        self.runtime, self.dtype, self.seed = setup_process(cfg, distributed=self.distributed)
         self.device = self.runtime.device
-        self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
-        self.seed = tt_training.set_seed(cfg.seed)
         self.tokenizer, self.dataset = build_sft_dataset(cfg, log=self.runtime.is_rank_zero)
         # output_dir ownership, verified checkpoint, config changes: decided before the model is built
         self.start = start_run(cfg, fixed_keys=SFT_FIXED_ON_RESUME, runtime=self.runtime, recipe=self.name)
@@ -104,7 +99,7 @@ class SFTRecipe:
         cfg, ga = self.cfg, self.cfg.gradient_accumulation_steps
         bar = ProgressBar(self.total_steps, initial=self.step, enabled=self.runtime.is_rank_zero)
         timer = StepTimer(self.device)
-        last_saved = self.step if self.start.checkpoint is not None else -1
+        final_save = self.total_steps if cfg.save_final_checkpoint else None
         batches = None
         self.model.train()
         while self.step < self.total_steps:
@@ -126,13 +121,10 @@ class SFTRecipe:
             if result.grad_norm is not None:
                 metrics["grad_norm"] = result.grad_norm
             bar.update(metrics)
-            if self.step % cfg.log_every_n_steps == 0 or self.step == self.total_steps:
+            if is_due(self.step, cfg.log_every_n_steps, last_step=self.total_steps):
                 self.metric_logger.log_dict(metrics, step=self.step)
-            if cfg.save_every_n_steps is not None and self.step % cfg.save_every_n_steps == 0:
+            if is_due(self.step, cfg.save_every_n_steps, last_step=final_save):
                 self.save()
-                last_saved = self.step
-        if cfg.save_final_checkpoint and last_saved != self.step:
-            self.save()
         bar.close()
         self.ckpt.log_final(self.step)
 

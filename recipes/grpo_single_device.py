@@ -24,7 +24,6 @@ import logitless  # noqa: F401, I001
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
-from torchtune import training as tt_training
 
 from logitless.rl.advantages import group_advantages
 from logitless.rl.completion_log import CompletionLogger
@@ -40,16 +39,15 @@ from logitless.rl.rollout import prompt_generators
 from logitless.rl.shared_batch import step_packing_attention, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
-                                         fsdp_options, load_resumed_weights, wrap_model)
+                                         fsdp_options, load_resumed_weights, setup_process, wrap_model)
 from logitless.training.cli import report_errors
-from logitless.training.distributed import Runtime, launched_world_size
+from logitless.training.distributed import launched_world_size
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import NonFiniteGuard
 from logitless.training.preflight import check_device
-from logitless.training.progress import ProgressBar, busiest_rank_peak_memory_gib
+from logitless.training.progress import ProgressBar, busiest_rank_peak_memory_gib, is_due
 from logitless.training.resume import start_run
 from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
-from logitless.training.threads import apply_cpu_threads
 
 
 class GRPORecipe:
@@ -79,11 +77,8 @@ class GRPORecipe:
         sampler are checked before the output folder is claimed, the folder and resume before the
         policy is built."""
         cfg = self.cfg
-        apply_cpu_threads(cfg.cpu_threads, cfg.device)
-        self.runtime = Runtime.setup(cfg.device, distributed=self.distributed)
+        self.runtime, self.dtype, self.seed = setup_process(cfg, distributed=self.distributed)
         self.device = self.runtime.device
-        self.dtype = tt_training.get_dtype(cfg.dtype, device=self.device)
-        self.seed = tt_training.set_seed(cfg.seed)
         self.tokenizer, self.dataset, self.eval_dataset = build_prompt_datasets(cfg)
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
@@ -110,15 +105,15 @@ class GRPORecipe:
             self.runtime.shard(self.reference.model, **fsdp_options(cfg))
         self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
         self.guard = NonFiniteGuard(cfg.max_consecutive_skipped_steps)
-        self.step, self.resumed = 0, start.recipe_state is not None
-        if self.resumed:
+        self.step = 0
+        if start.recipe_state is not None:
             self.step = start.recipe_state["step"]
             restore_training_state(start.recipe_state, runtime=self.runtime, model=self.model,
                                    optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, guard=self.guard,
                                    changes=start.changes)
         self.metric_logger = build_metric_logger(cfg.metric_logger, cfg.output_dir,
                                                  is_rank_zero=self.runtime.is_rank_zero)
-        if not self.resumed and self.runtime.is_rank_zero:
+        if start.recipe_state is None and self.runtime.is_rank_zero:
             self.metric_logger.log_config(cfg)
 
     def train(self) -> None:
@@ -128,7 +123,7 @@ class GRPORecipe:
                                           every_n_steps=cfg.log_completions_every_n_steps,
                                           num_rows=cfg.log_completions_num_rows)
         bar = ProgressBar(cfg.max_steps, initial=self.step, enabled=rank_zero)
-        last_saved = self.step if self.resumed else -1
+        final_save = cfg.max_steps if cfg.save_final_checkpoint else None
         self.model.train()
         while self.step < cfg.max_steps:
             metrics = self.train_step(self.step)
@@ -141,15 +136,12 @@ class GRPORecipe:
             self.history.append({"step": self.step, **metrics})
             bar.bar.set_description(f"reward {metrics['reward/mean']:.3f}", refresh=False)
             bar.update(metrics)
-            if self.step % cfg.log_every_n_steps == 0 or self.step == cfg.max_steps:
+            if is_due(self.step, cfg.log_every_n_steps, last_step=cfg.max_steps):
                 self.metric_logger.log_dict(metrics, step=self.step)
             if completion_log.due(self.step):
                 completion_log.log(self.step, *self.last_rollout)
-            if cfg.save_every_n_steps is not None and self.step % cfg.save_every_n_steps == 0:
+            if is_due(self.step, cfg.save_every_n_steps, last_step=final_save):
                 self.save()
-                last_saved = self.step
-        if cfg.save_final_checkpoint and last_saved != self.step:
-            self.save()
         bar.close()
         self.ckpt.log_final(self.step)
 
@@ -162,8 +154,8 @@ class GRPORecipe:
                                       seed=self.seed)
         rows = [self.dataset[indices[i]] for i in share]
         with self.sampler.weights(self.model):
-            rollout, prompts, texts, fields = self.sampler.sample(self.model, rows, group_size,
-                                                                  prompt_generators(self.seed, step, share, self.device))
+            rollout, prompts, texts, fields = self.sampler.sample(
+                self.model, rows, group_size, prompt_generators(self.seed, step, share, self.device))
         t_gen = time.perf_counter()
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
         batch_values = gather_columns({**rewards, "length": rollout.completion_lengths,

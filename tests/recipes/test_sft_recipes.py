@@ -172,23 +172,31 @@ def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path, tu
 
 
 @pytest.mark.slow
-def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path, tune_cli):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path, tune_cli, lora):
+    """full_sft_distributed / lora_sft_distributed against full_sft_single_device / lora_sft_single_device."""
+    config = "tiny_lora" if lora else "tiny_full"
     over = ["max_steps=4", "batch_size=2", "gradient_accumulation_steps=2", "save_every_n_steps=2",
             "device=cpu", "lr_scheduler.num_warmup_steps=1"]
-    args = ["run", "--nproc_per_node", "2", "full_sft_distributed", "--config", "configs/tiny_full.yaml", *over]
+    args = ["run", "--nproc_per_node", "2", f"{'lora' if lora else 'full'}_sft_distributed",
+            "--config", f"configs/{config}.yaml", *over]
     env = {"OMP_NUM_THREADS": "1"}
     p = tune_cli(args, tmp_path / "dist", env=env)
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log[-4000:]
     dist_losses = logged_losses(str(tmp_path / "dist"))
     # 2 ranks x micro-batch 2 == one device x micro-batch 4: same samples per step, same global token mean
-    single = SFTRecipe(tiny_config("tiny_full", tmp_path / "single", max_steps=4, batch_size=4,
-                                   gradient_accumulation_steps=2, save_every_n_steps=None,
-                                   lr_scheduler__num_warmup_steps=1)).run()
+    single = SFTRecipe(tiny_config(config, tmp_path / "single", max_steps=4, batch_size=4,
+                                   gradient_accumulation_steps=2, save_every_n_steps=2 if lora else None,
+                                   lr_scheduler__num_warmup_steps=1), lora=lora).run()
+    assert_falls(single, by=0.1)  # the comparison has signal: the weights move
     assert [dist_losses[s] for s in range(1, 5)] == pytest.approx(single, rel=1e-5)
     # the distributed run's checkpoints are complete HF checkpoints; resuming one (sharded optimizer
     # state re-loaded from the full one) replays the same steps
     assert [d.name for d in complete_checkpoints(tmp_path / "dist")] == ["step_000002", "step_000004"]
+    if lora:
+        for name in ("step_000002", "step_000004"):
+            _assert_same_lora_checkpoint(tmp_path / "dist" / name, tmp_path / "single" / name, tmp_path)
     os.makedirs(tmp_path / "resumed")
     shutil.copytree(tmp_path / "dist" / "step_000002", tmp_path / "resumed" / "step_000002")
     p = tune_cli(args + ["resume_from_checkpoint=true"], tmp_path / "resumed", env=env)
@@ -199,51 +207,24 @@ def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo
     assert [resumed[3], resumed[4]] == pytest.approx([dist_losses[3], dist_losses[4]], rel=1e-6)
 
 
-@pytest.mark.slow
-def test_lora_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path, tune_cli):
-    over = ["max_steps=4", "batch_size=2", "gradient_accumulation_steps=2", "save_every_n_steps=2",
-            "device=cpu", "lr_scheduler.num_warmup_steps=1"]
-    args = ["run", "--nproc_per_node", "2", "lora_sft_distributed", "--config", "configs/tiny_lora.yaml", *over]
-    env = {"OMP_NUM_THREADS": "1"}
-    p = tune_cli(args, tmp_path / "dist", env=env)
-    log = p.communicate(timeout=300)[0]
-    assert p.returncode == 0, log[-4000:]
-    dist_losses = logged_losses(str(tmp_path / "dist"))
-    # 2 ranks x micro-batch 2 == one device x micro-batch 4 (lora_sft_single_device's run)
-    single = SFTRecipe(tiny_config("tiny_lora", tmp_path / "single", max_steps=4, batch_size=4,
-                                   gradient_accumulation_steps=2, save_every_n_steps=2,
-                                   lr_scheduler__num_warmup_steps=1), lora=True).run()
-    assert_falls(single, by=0.1)  # the comparison has signal: the adapters move
-    assert [dist_losses[s] for s in range(1, 5)] == pytest.approx(single, rel=1e-5)
-    # checkpoints as the single-device LoRA recipe writes them: the same files, the same PEFT and HF
-    # configs, adapters and merged weights equal up to summation order
-    cfg = OmegaConf.load("configs/tiny_lora.yaml")
-    base = CheckpointManager(cfg.checkpointer, str(tmp_path / "x")).load_model_state()
-    for name in ("step_000002", "step_000004"):
-        d, s = tmp_path / "dist" / name, tmp_path / "single" / name
-        assert verify_checkpoint(d) == [] and _file_hashes(d).keys() == _file_hashes(s).keys()
-        for f in ("adapter/adapter_config.json", "config.json"):
-            assert (d / f).read_text() == (s / f).read_text(), f
-        a, b = CheckpointManager.load_adapter_state(d), CheckpointManager.load_adapter_state(s)
-        assert a.keys() == b.keys() and all("lora_" in k for k in a)
-        for k in a:  # lora_b starts at 0: how far training moved a tensor is its distance from the start
-            assert (a[k] - b[k]).abs().max() <= 1e-3 * (b[k].abs().max() if "lora_b" in k else 1.0), k
-        merged = {m: CheckpointManager(cfg.checkpointer, str(tmp_path / m)).load_model_state(folder)
-                  for m, folder in (("md", d), ("ms", s))}
-        assert merged["md"].keys() == merged["ms"].keys() == base.keys()
-        for k in base:
-            moved = (merged["ms"][k] - base[k]).abs().max()
-            assert (merged["md"][k] - merged["ms"][k]).abs().max() <= 1e-3 * moved + 1e-7, k
-    # resuming a copy of the step-2 checkpoint (adapters, sharded optimizer state from the full one)
-    # replays the same steps
-    os.makedirs(tmp_path / "resumed")
-    shutil.copytree(tmp_path / "dist" / "step_000002", tmp_path / "resumed" / "step_000002")
-    p = tune_cli(args + ["resume_from_checkpoint=true"], tmp_path / "resumed", env=env)
-    log = p.communicate(timeout=300)[0]
-    assert p.returncode == 0, log[-4000:]
-    resumed = logged_losses(str(tmp_path / "resumed"))
-    assert sorted(resumed) == [3, 4]
-    assert [resumed[3], resumed[4]] == pytest.approx([dist_losses[3], dist_losses[4]], rel=1e-6)
+def _assert_same_lora_checkpoint(dist, single, work):
+    """A LoRA checkpoint as lora_sft_single_device writes it: the same files, the same PEFT and HF
+    configs, adapters and merged weights equal up to summation order."""
+    assert verify_checkpoint(dist) == [] and _file_hashes(dist).keys() == _file_hashes(single).keys()
+    for f in ("adapter/adapter_config.json", "config.json"):
+        assert (dist / f).read_text() == (single / f).read_text(), f
+    a, b = CheckpointManager.load_adapter_state(dist), CheckpointManager.load_adapter_state(single)
+    assert a.keys() == b.keys() and a and all("lora_" in k for k in a)
+    for k in a:  # lora_b starts at 0: its size is how far training moved it
+        assert (a[k] - b[k]).abs().max() <= 1e-3 * (b[k].abs().max() if "lora_b" in k else 1.0), k
+    checkpointer = OmegaConf.load("configs/tiny_lora.yaml").checkpointer
+    base = CheckpointManager(checkpointer, str(work / "base")).load_model_state()
+    merged_dist = CheckpointManager(checkpointer, str(work / "md")).load_model_state(dist)
+    merged_single = CheckpointManager(checkpointer, str(work / "ms")).load_model_state(single)
+    assert merged_dist.keys() == merged_single.keys() == base.keys()
+    for k in base:  # each tensor within 0.1% of how far training moved it (untouched ones: equal)
+        moved = (merged_single[k] - base[k]).abs().max()
+        assert (merged_dist[k] - merged_single[k]).abs().max() <= 1e-3 * moved + 1e-7, k
 
 
 def _file_hashes(folder):

@@ -1,10 +1,12 @@
 """Set-up steps every recipe (SFT and GRPO) takes, each from the validated config.
 
-A recipe's ``setup()`` reads as a list of these: the checkpoint manager, the model with its
-weights (base checkpoint, resumed weights or adapters, LoRA freeze), the training wrappers
-(activation checkpointing, compile, FSDP2) and the optimizer with its LR schedule.
+A recipe's ``setup()`` reads as a list of these: the process (threads, device, dtype, seed), the
+checkpoint manager, the model with its weights (base checkpoint, resumed weights or adapters, LoRA
+freeze), the training wrappers (activation checkpointing, compile, FSDP2) and the optimizer with its
+LR schedule.
 
 Example:
+    >>> runtime, dtype, seed = setup_process(cfg, distributed=False)
     >>> ckpt = build_checkpoint_manager(cfg, runtime, run_id=start.run_id)
     >>> model = build_model_with_weights(cfg, ckpt, device=runtime.device, dtype=dtype, seed=seed,
     ...                                  lora=False, resume_dir=start.checkpoint)
@@ -21,11 +23,29 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config as tt_config
+from torchtune import training as tt_training
 
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager
 from logitless.training.distributed import Runtime
 from logitless.training.export import ModelExport
+from logitless.training.threads import apply_cpu_threads
+
+
+def setup_process(cfg: DictConfig, *, distributed: bool) -> Tuple[Runtime, torch.dtype, int]:
+    """This process's CPU threads (``cpu_threads``), process group and device (``device``), the
+    parameter dtype (``dtype``) and the seeded RNGs (``seed``; torchtune's ``set_seed``).
+
+    Args:
+        cfg (DictConfig): the validated recipe config.
+        distributed (bool): join the process group of ``torchrun`` (FSDP2 recipes).
+
+    Returns:
+        Tuple: ``(runtime, dtype, seed)``.
+    """
+    apply_cpu_threads(cfg.cpu_threads, cfg.device)
+    runtime = Runtime.setup(cfg.device, distributed=distributed)
+    return runtime, tt_training.get_dtype(cfg.dtype, device=runtime.device), tt_training.set_seed(cfg.seed)
 
 
 def build_checkpoint_manager(cfg: DictConfig, runtime: Runtime, *, run_id: str) -> CheckpointManager:
@@ -146,4 +166,4 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, *, num_training_steps: Op
 
 
 __all__ = ["build_checkpoint_manager", "build_model_with_weights", "build_optimizer", "fsdp_options",
-           "load_resumed_weights", "wrap_model"]
+           "load_resumed_weights", "setup_process", "wrap_model"]

@@ -1,4 +1,4 @@
-"""Progress bar (tqdm) and per-step throughput / peak-memory meters."""
+"""Progress bar (tqdm), per-step throughput / peak-memory meters, and when a step logs or saves."""
 
 from __future__ import annotations
 
@@ -30,6 +30,24 @@ def peak_memory_gib(device: torch.device) -> Dict[str, float]:
                 "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_rss_gib": rss / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+def is_due(step: int, every_n_steps: Optional[int], *, last_step: Optional[int] = None) -> bool:
+    """Whether step ``step`` (1-based) logs or saves: a multiple of ``every_n_steps`` or the last step.
+
+    Args:
+        step (int): the optimizer step just taken.
+        every_n_steps (Optional[int]): the period (None: only ``last_step``).
+        last_step (Optional[int]): the run's last step (None: no extra step).
+
+    Returns:
+        bool: due at this step.
+
+    Example:
+        >>> [s for s in range(1, 8) if is_due(s, 3, last_step=7)]
+        [3, 6, 7]
+    """
+    return (every_n_steps is not None and step % every_n_steps == 0) or step == last_step
 
 
 def busiest_rank_peak_memory_gib(device: torch.device, all_reduce: Callable[..., torch.Tensor]) -> Dict[str, float]:
