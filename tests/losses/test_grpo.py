@@ -259,7 +259,7 @@ def test_loss_contract_passes_the_steps_counts_and_weights_the_metrics(loss_type
     of the step from loss_units), and each metric's shares to its token mean over the batch."""
     hidden, weight, labels, adv, old, ref = make_inputs(8)
     truncated = torch.tensor([False, False, True, False])
-    fn = GRPOLoss(temperature=T, impl="torch", loss_type=loss_type, max_completion_length=6, epsilon_high=0.28,
+    fn = GRPOLoss(temperature=T, impl="reference", loss_type=loss_type, max_completion_length=6, epsilon_high=0.28,
                   beta=0.1, mask_truncated_completions=True)
     parts = [slice(0, 2), slice(2, 4)]
     units = [fn.loss_units(labels[r], truncated[r]) for r in parts]
