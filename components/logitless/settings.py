@@ -38,24 +38,23 @@ def _flag(raw: str) -> bool:
     raise ValueError(f"expected one of {_TRUE + _FALSE[1:]}")
 
 
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected a positive integer") from None
-    if value < 1:
-        raise ValueError("expected a positive integer")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected {expected}") from None
+        if value < minimum:
+            raise ValueError(f"expected {expected}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError("expected an integer >= 0") from None
-    if value < 0:
-        raise ValueError("expected an integer >= 0")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,7 @@ Called by :mod:`logitless.ops.dispatch` after validation, with hidden flattened 
   GRPO policy loss, with gradients computed in the forward (3 GEMMs; a plain autograd.Function,
   see :mod:`logitless.ops.triton.token_objective`).
 
-Example:
-    >>> import torch
-    >>> from logitless.ops import triton as T
-    >>> h = torch.randn(64, 896, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    >>> w = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    >>> y = torch.randint(0, 151936, (64,), device="cuda")
-    >>> T.linear_cross_entropy(h, w, y, ignore_index=-100, reduction="mean", temperature=1.0).backward()
+See the package docstring (:mod:`logitless.ops.triton`) for an example.
 """
 
 from typing import Optional, Tuple
