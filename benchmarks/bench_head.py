@@ -9,6 +9,8 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   entropy, token mean; the terms are ``GRPOLoss.token_terms``);
 * impls: ``torch`` (plain: bf16 logits, fp32 loss), ``compile`` (``torch.compile`` of it),
   ``tt_chunked`` (torchtune's chunked-output CE: 8 logit chunks, fp32 upcast per chunk),
+  ``tt_compiled`` (the same, compiled as torchtune's recipes do with ``compile: True``:
+  ``training.compile_loss`` compiles the per-chunk upcast + loss, the chunk GEMMs stay eager),
   ``chunked`` / ``triton`` (``logitless`` ``impl=``; in ``obj``, ``linear_token_objective``:
   gradients in the forward), ``triton_fused`` (the one-pass 3-GEMM path of cross-entropy and
   ``obj`` forced at every size), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
@@ -16,6 +18,12 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   ``cce`` (Cut Cross-Entropy). Liger and CCE have no entropy output: they run ``ce`` and ``fwd``
   (log-probs only) and are marked n/a in ``logp`` and ``obj``. A peer that is not installed is
   reported.
+
+* inputs (``--logits``): ``gaussian`` (hidden ~ N(0, 1), logits of std ``--logit-std``, 2 by
+  default) or ``peaked`` (a trained LM's: each row's hidden state points at 3 tokens whose logits
+  stand 15, 12 and 9 above a std-1 background, the label is the top one 60% of the time, another
+  of the three 25%, else random); ``--ignore-frac`` of the labels are ignored. Peers that skip
+  work on small probabilities (Cut Cross-Entropy's gradient filtering) depend on this.
 
 Each row: median ms, ratio to one ``torch.matmul`` of (N x H) by (H x V) in bf16 measured in the
 same run (each rep times a GEMM then the step, back to back; the median of the per-rep ratios,
@@ -52,7 +60,7 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "qwen05b": (16384, 896, 151936),
     "long": (32768, 3584, 152064),
 }
-IMPLS = ["torch", "compile", "tt_chunked", "chunked", "triton", "triton_fused", "triton_unfused", "liger",
+IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_unfused", "liger",
          "cce"]
 MODES = ["ce", "logp", "fwd", "obj"]
 IGN = -100
@@ -94,21 +102,31 @@ def _tt_chunks(h, w, y, fn, n_chunks=8):
     return [fn(hc @ w.t(), yc) for hc, yc in zip(h.chunk(n_chunks), y.chunk(n_chunks))]
 
 
-def _tt_ce(h, w, y):
-    sums = _tt_chunks(h, w, y, lambda lg, yc: F.cross_entropy(lg.float(), yc, ignore_index=IGN,
-                                                              reduction="sum"))
-    return sum(sums) / (y != IGN).sum().clamp(min=1)
+def _tt_chunk_ce(lg, yc):
+    # torchtune's CEWithChunkedOutputLoss.compute_cross_entropy: upcast, then a summed CE
+    return F.cross_entropy(lg.float(), yc, ignore_index=IGN, reduction="sum")
 
 
-def _tt_logp(h, w, y):
-    def one(lg, yc):
-        logz = lg.float().log_softmax(-1)
-        valid = yc != IGN
-        lp = logz.gather(-1, torch.where(valid, yc, 0)[:, None]).squeeze(-1) * valid
-        return lp, -(logz.exp() * logz).sum(-1) * valid
+def _tt_chunk_logp(lg, yc):
+    logz = lg.float().log_softmax(-1)
+    valid = yc != IGN
+    lp = logz.gather(-1, torch.where(valid, yc, 0)[:, None]).squeeze(-1) * valid
+    return lp, -(logz.exp() * logz).sum(-1) * valid
 
-    parts = _tt_chunks(h, w, y, one)
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+def _tt_ce_of(chunk_ce):
+    def f(h, w, y):
+        return sum(_tt_chunks(h, w, y, chunk_ce)) / (y != IGN).sum().clamp(min=1)
+
+    return f
+
+
+def _tt_logp_of(chunk_logp):
+    def f(h, w, y):
+        parts = _tt_chunks(h, w, y, chunk_logp)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    return f
 
 
 def _grpo():
@@ -158,10 +176,13 @@ def build(impl, mode):
     if impl in ("torch", "compile"):
         f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent)}.get(mode, _plain_logp_ent)
         return torch.compile(f) if impl == "compile" else f
-    if impl == "tt_chunked":
+    if impl in ("tt_chunked", "tt_compiled"):
         if mode == "obj":
             return "n/a: no fused objective"
-        return _tt_ce if mode == "ce" else _tt_logp
+        chunk = _tt_chunk_ce if mode == "ce" else _tt_chunk_logp
+        if impl == "tt_compiled":  # torchtune.training.compile_loss: only the per-chunk loss
+            chunk = torch.compile(chunk)
+        return _tt_ce_of(chunk) if mode == "ce" else _tt_logp_of(chunk)
     if impl == "triton_fused":
         # The one-pass 3-GEMM path of cross-entropy / the objective forced at any size (the default
         # switches to two passes when dW would be rounded in more than FUSED_MAX_CHUNKS row chunks).
@@ -418,7 +439,8 @@ def micro(shape, reps=10):
 
 
 PROFILE_CASES = (("triton", "ce"), ("triton_fused", "ce"), ("triton", "logp"), ("triton", "fwd"),
-                 ("triton", "obj"), ("liger", "ce"), ("liger", "fwd"))
+                 ("triton", "obj"), ("liger", "ce"), ("liger", "fwd"), ("chunked", "logp"),
+                 ("tt_compiled", "logp"), ("chunked", "fwd"), ("tt_compiled", "fwd"))
 _GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
 
 
@@ -431,18 +453,50 @@ def _kernel_category(name):
     return "other"  # torch elementwise / index / reduce / copy kernels
 
 
-def head_inputs(shape, device):
+LOGITS = ("gaussian", "peaked")
+#: peaked inputs: how far each row's 3 favoured tokens stand above the std-1 background logits, and
+#: how often the label is the top one / one of the other two.
+PEAK_LOGITS, P_TOP, P_OTHER_PEAK = (15.0, 12.0, 9.0), 0.6, 0.25
+
+
+def head_inputs(shape, device, logits="gaussian", logit_std=2.0, ignore_frac=0.0, dims=None):
     """bf16 inputs of one head shape (seed 0): ``h, w, y, g_logp, g_ent, generator``.
 
-    Realistic scales: normed hidden ~ N(0, 1), logits with std ~ 2; the generator continues the
-    same stream (for the GRPO constants).
+    Args:
+        shape (str): a key of ``SHAPES``. device (torch.device): where to build them.
+        logits (str): ``"gaussian"``: normed hidden ~ N(0, 1), logits ~ N(0, logit_std^2);
+            ``"peaked"``: as a trained LM's (see the module docstring).
+        logit_std (float): std of the Gaussian logits (the background's is 1 when peaked).
+        ignore_frac (float): fraction of labels set to the ignored index.
+        dims (Optional[Tuple[int, int, int]]): ``(N, H, V)`` instead of ``SHAPES[shape]``.
+
+    Returns:
+        tuple: ``h, w, y, g1, g2, gen``; the generator continues the same stream (GRPO constants).
     """
-    n, hd, v = SHAPES[shape]
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+    if not 0.0 <= ignore_frac < 1.0:
+        raise ValueError(f"ignore_frac must be in [0, 1), got {ignore_frac}")
+    n, hd, v = dims or SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(n, hd, device=device, generator=gen).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(v, hd, device=device, generator=gen) * (2.0 / math.sqrt(hd))).to(
-        torch.bfloat16).requires_grad_(True)
+    h = torch.randn(n, hd, device=device, generator=gen)
+    std = logit_std if logits == "gaussian" else 1.0
+    w = torch.randn(v, hd, device=device, generator=gen) * (std / math.sqrt(hd))
     y = torch.randint(0, v, (n,), device=device, generator=gen)
+    if logits == "peaked":
+        # h += sum_k b_k W[t_k] / |W[t_k]|^2 lifts logit t_k by b_k (cross terms ~ b / sqrt(H))
+        top = torch.randint(0, v, (n, len(PEAK_LOGITS)), device=device, generator=gen)
+        for k, b in enumerate(PEAK_LOGITS):
+            wk = w[top[:, k]]
+            h += b * wk / wk.square().sum(-1, keepdim=True)
+        u = torch.rand(n, device=device, generator=gen)
+        other = top[torch.arange(n, device=device),
+                    torch.randint(1, len(PEAK_LOGITS), (n,), device=device, generator=gen)]
+        y = torch.where(u < P_TOP, top[:, 0], torch.where(u < P_TOP + P_OTHER_PEAK, other, y))
+    if ignore_frac:
+        y = torch.where(torch.rand(n, device=device, generator=gen) < ignore_frac, IGN, y)
+    h = h.to(torch.bfloat16).requires_grad_(True)
+    w = w.to(torch.bfloat16).requires_grad_(True)
     g1 = torch.randn(n, device=device, generator=gen)
     g2 = torch.randn(n, device=device, generator=gen)
     return h, w, y, g1, g2, gen
@@ -472,7 +526,7 @@ def _largest_gaps(prof, k):
     return out
 
 
-def profile_breakdown(shape, out=None, reps=3):
+def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0, ignore_frac=0.0):
     """Where each head path spends its GPU time, in units of one GEMM of the same run.
 
     For each (impl, mode) of ``PROFILE_CASES``: ``reps`` steps under ``torch.profiler``; kernel time
@@ -483,7 +537,7 @@ def profile_breakdown(shape, out=None, reps=3):
 
     import triton
 
-    h, w, y, g1, g2, gen = head_inputs(shape, torch.device("cuda"))
+    h, w, y, g1, g2, gen = head_inputs(shape, torch.device("cuda"), logits, logit_std, ignore_frac)
     adv, old = grpo_inputs(h, w, y, gen)
     gemm_ms = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), 10, 3)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
@@ -624,6 +678,10 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--compile-shapes", default="qwen7b,qwen05b",
                     help="shapes where torch.compile runs (each costs a compilation per mode)")
+    ap.add_argument("--logits", default="gaussian",
+                    help="input regimes, comma-separated: " + ", ".join(LOGITS))
+    ap.add_argument("--logit-std", type=float, default=2.0, help="std of the gaussian logits")
+    ap.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of ignored labels")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="CSV path (appends rows)")
@@ -639,7 +697,8 @@ def main(argv=None):
     if args.tradeoffs:
         return
     for shape in filter(None, args.profile.split(",")):
-        profile_breakdown(shape, args.out)
+        profile_breakdown(shape, args.out, logits=args.logits.split(",")[0], logit_std=args.logit_std,
+                          ignore_frac=args.ignore_frac)
     if args.profile:
         return
     for shape in filter(None, args.micro.split(",")):
@@ -656,21 +715,24 @@ def main(argv=None):
                 cuda=torch.version.cuda, date=datetime.date.today().isoformat(),
                 **{k.replace("-", "_"): v for k, v in _peer_versions().items()})
     print("# " + " ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
-    fields = ["shape", "N", "H", "V", "mode", "impl", "ms", "gemm_ms", "gemms", "peak_extra_gib",
+    fields = ["shape", "N", "H", "V", "logits", "ignore_frac", "mode", "impl", "ms", "gemm_ms", "gemms", "peak_extra_gib",
               "err_out", "err_dh", "err_dw", "note", *meta.keys()]
     rows = _Rows(args.out, fields)
-    for shape in args.shapes.split(","):
+    for shape, regime in [(s, r) for s in args.shapes.split(",") for r in args.logits.split(",")]:
         n, hd, v = SHAPES[shape]
-        h, w, y, g1, g2, gen = head_inputs(shape, dev)
+        h, w, y, g1, g2, gen = head_inputs(shape, dev, regime, args.logit_std, args.ignore_frac)
+        regime_name = f"gaussian-std{args.logit_std:g}" if regime == "gaussian" else regime
         adv, old = grpo_inputs(h, w, y, gen) if "obj" in modes else (None, None)
         ref = reference64(h, w, y, g1, g2, adv, old)
         torch.cuda.empty_cache()
         gemm = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), max(args.reps, 10), 3)
-        print(f"## {shape} N={n} H={hd} V={v}: one GEMM = {gemm:.2f} ms", flush=True)
+        print(f"## {shape} N={n} H={hd} V={v} {regime_name} ignored {args.ignore_frac:g}: "
+              f"one GEMM = {gemm:.2f} ms", flush=True)
         for mode in modes:
             ups = (adv, old) if mode == "obj" else (g1, g2)
             for impl in args.impls.split(","):
-                base = dict(shape=shape, N=n, H=hd, V=v, mode=mode, impl=impl, gemm_ms=round(gemm, 3), **meta)
+                base = dict(shape=shape, N=n, H=hd, V=v, logits=regime_name, ignore_frac=args.ignore_frac,
+                            mode=mode, impl=impl, gemm_ms=round(gemm, 3), **meta)
                 if impl == "compile" and shape not in args.compile_shapes.split(","):
                     rows.append(dict(base, note="skipped: compile budget"))
                     continue
@@ -682,7 +744,7 @@ def main(argv=None):
                 try:
                     r = measure(impl, mode, f, h, w, y, *ups, ref, args.reps, args.warmup)
                     rows.append(dict(base, **r, note=""))
-                    print(f"{shape:8s} {mode:4s} {impl:14s} {r['ms']:8.2f} ms {r['gemms']:5.2f} GEMMs "
+                    print(f"{shape:8s} {regime:8s} {mode:4s} {impl:14s} {r['ms']:8.2f} ms {r['gemms']:5.2f} GEMMs "
                           f"{r['peak_extra_gib']:6.2f} GiB err {r.get('err_out', float('nan')):.2e} "
                           f"{r.get('err_dh', float('nan')):.2e} {r.get('err_dw', float('nan')):.2e}",
                           flush=True)
@@ -698,14 +760,14 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         h = w = y = g1 = g2 = adv = old = ups = ref = None
         torch.cuda.empty_cache()
-    print("\nshape    mode impl              ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
+    print("\nshape    logits          mode impl              ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
     for r in rows:
         if "ms" in r:
-            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:14s} {r['ms']:7.1f} {r['gemms']:5.2f} "
+            print(f"{r['shape']:8s} {r['logits']:15s} {r['mode']:4s} {r['impl']:14s} {r['ms']:7.1f} {r['gemms']:5.2f} "
                   f"{r['peak_extra_gib']:5.2f} {r.get('err_out', float('nan')):.1e} "
                   f"{r.get('err_dh', float('nan')):.1e} {r.get('err_dw', float('nan')):.1e}")
         else:
-            print(f"{r['shape']:8s} {r['mode']:4s} {r['impl']:14s} {r['note']}")
+            print(f"{r['shape']:8s} {r['logits']:15s} {r['mode']:4s} {r['impl']:14s} {r['note']}")
 
 
 if __name__ == "__main__":

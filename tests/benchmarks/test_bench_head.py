@@ -2,6 +2,7 @@
 only times them)."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -120,3 +121,43 @@ def test_profile_sorts_kernels_and_finds_idle_stretches(bench):
     gaps = bench._largest_gaps(prof, 5)
     assert [(g[0], g[1], g[2]) for g in gaps] == [(30, "b", "c"), (2, "c", "d")]
     assert gaps[0][3].startswith("aten::nonzero")
+
+
+def test_peaked_inputs_look_like_a_trained_lm(bench):
+    # A few large logits per row: the top token takes most of the mass, the label is usually it,
+    # the entropy is a few nats (a std-2 Gaussian row over 4000 tokens has ~7.5), and the requested
+    # share of labels is ignored.
+    n, hd, v = 512, 64, 4000
+    h, w, y, *_ = bench.head_inputs(None, torch.device("cpu"), "peaked", ignore_frac=0.1, dims=(n, hd, v))
+    probs = (h.detach().float() @ w.detach().float().t()).softmax(-1)
+    valid = y != bench.IGN
+    assert abs((~valid).float().mean().item() - 0.1) < 0.04
+    top = probs.max(-1)
+    assert top.values.median() > 0.5
+    hit = (top.indices == y)[valid].float().mean().item()
+    assert 0.45 < hit < 0.75
+    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    assert ent.median() < 2.0
+    hg, wg, yg, *_ = bench.head_inputs(None, torch.device("cpu"), "gaussian", dims=(n, hd, v))
+    pg = (hg.detach().float() @ wg.detach().float().t()).softmax(-1)
+    assert (-(pg * pg.log()).sum(-1)).median() > 3 * ent.median()
+    assert (yg != bench.IGN).all()
+
+
+def test_bad_input_regime_raises(bench):
+    with pytest.raises(ValueError, match="logits must be one of"):
+        bench.head_inputs(None, torch.device("cpu"), "uniform", dims=(4, 8, 16))
+    with pytest.raises(ValueError, match="ignore_frac"):
+        bench.head_inputs(None, torch.device("cpu"), "gaussian", ignore_frac=1.5, dims=(4, 8, 16))
+
+
+@pytest.mark.parametrize("mode", ["ce", "logp"])
+def test_tt_chunked_matches_reference(bench, case, mode):
+    _check(bench, case, "tt_chunked", mode)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+def test_tt_compiled_matches_reference(bench, case):
+    torch._dynamo.reset()
+    _check(bench, case, "tt_compiled", "ce")

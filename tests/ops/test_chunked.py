@@ -5,6 +5,8 @@ same bf16 inputs (plain = logits in the input dtype, loss in fp32, autograd), wi
 where both are at rounding level.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -158,23 +160,82 @@ def test_gradient_only_for_entropy_or_only_for_logp():
         torch.testing.assert_close(h.grad, h64.grad, rtol=1e-9, atol=1e-10)
 
 
-def test_fusible_ce_epilogue_equals_the_in_place_one():
-    """The epilogue compiled on CUDA computes what the eager in-place one computes (run both eagerly)."""
-    from logitless.ops.chunked import _ce_epilogue_eager, _ce_epilogue_fusible
-
+def _epilogue_case(offset=0.0):
     g = torch.Generator().manual_seed(3)
-    z = torch.randn(37, 53, generator=g, dtype=torch.float64) * 4
+    z = torch.randn(37, 53, generator=g, dtype=torch.float64) * 4 + offset
     labels = torch.randint(0, 53, (37,), generator=g)
     valid = torch.rand(37, generator=g) > 0.3
     safe = torch.where(valid, labels, 0).unsqueeze(1)
+    g_lp, g_ent = torch.randn(2, 37, generator=g, dtype=torch.float64)
+    return z, labels, valid, safe, g_lp, g_ent
+
+
+def _epilogue_checks(ep, in_place):
+    """``ep``'s ce / stats / grad against float64 autograd of the same per-chunk math."""
+    z, labels, valid, safe, g_lp, g_ent = _epilogue_case()
     coef = torch.tensor(0.25, dtype=torch.float64)
-    loss_f, grad_f = _ce_epilogue_fusible(z.clone(), safe, valid, coef, torch.float64)
-    loss_e, grad_e = _ce_epilogue_eager(z.clone(), safe, valid, coef, torch.float64)
-    # independent check: autograd of the summed masked CE, scaled by coef
     zz = z.clone().requires_grad_(True)
     ref = (torch.nn.functional.cross_entropy(zz, labels, reduction="none") * valid).sum()
     ref.backward()
-    torch.testing.assert_close(loss_f, ref.detach())
-    torch.testing.assert_close(loss_e, ref.detach())
-    torch.testing.assert_close(grad_f, zz.grad * coef)
-    torch.testing.assert_close(grad_e, zz.grad * coef)
+    loss, grad = ep.ce(z.clone(), safe, valid, coef, torch.float64)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, zz.grad * coef)
+
+    zz = z.clone().requires_grad_(True)
+    logq = zz.log_softmax(-1)
+    r_logp = torch.where(valid, logq.gather(1, safe).squeeze(1), 0.0)
+    r_ent = torch.where(valid, -(logq.exp() * logq).sum(-1), 0.0)
+    inv_t = 0.5  # the raw logits were divided by T = 2 before the epilogue
+    ((r_logp * g_lp).sum() + (r_ent * g_ent).sum()).backward()
+    for need_entropy, g_e in ((True, g_ent), (False, None)):
+        zc = z.clone()
+        logp, ent, m, log_s = ep.stats(zc, safe, valid, need_entropy)
+        torch.testing.assert_close(logp, r_logp.detach())
+        if need_entropy:
+            torch.testing.assert_close(ent, r_ent.detach())
+        else:
+            assert ent is None
+        if in_place:  # zc holds log q
+            m = log_s = None
+        grad = ep.grad(zc, m, log_s, ent, g_lp, g_e, safe, valid, inv_t, torch.float64)
+        zz2 = z.clone().requires_grad_(True)
+        lq = zz2.log_softmax(-1)
+        obj = (torch.where(valid, lq.gather(1, safe).squeeze(1), 0.0) * g_lp).sum()
+        if need_entropy:
+            obj = obj + (torch.where(valid, -(lq.exp() * lq).sum(-1), 0.0) * g_ent).sum()
+        obj.backward()
+        torch.testing.assert_close(grad, zz2.grad * inv_t)
+    # an entropy-only upstream
+    zc = z.clone()
+    _, ent, m, log_s = ep.stats(zc, safe, valid, True)
+    if in_place:
+        m = log_s = None
+    grad = ep.grad(zc, m, log_s, ent, None, g_ent, safe, valid, 1.0, torch.float64)
+    zz3 = z.clone().requires_grad_(True)
+    lq = zz3.log_softmax(-1)
+    (torch.where(valid, -(lq.exp() * lq).sum(-1), 0.0) * g_ent).sum().backward()
+    torch.testing.assert_close(grad, zz3.grad)
+
+
+def test_chunk_epilogues_in_place_and_fusible_match_autograd():
+    """The in-place epilogues (CPU) and the fusible ones (compiled on CUDA), run eagerly."""
+    from types import SimpleNamespace
+
+    from logitless.ops import _chunk_epilogues as E
+
+    _epilogue_checks(E.epilogues_for(torch.zeros(1)), in_place=True)
+    _epilogue_checks(SimpleNamespace(ce=E.ce_fusible, stats=E.stats_fusible, grad=E.grad_fusible), in_place=False)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor on CPU needs a C++ compiler")
+def test_compiled_chunk_epilogues_equal_the_eager_ones():
+    """What CUDA runs, compiled by inductor (here for the CPU): the same numbers as eager."""
+    from types import SimpleNamespace
+
+    from logitless.ops import _chunk_epilogues as E
+
+    torch._dynamo.reset()
+    compiled = SimpleNamespace(**{k: torch.compile(getattr(E, f"{k}_fusible"), dynamic=True)
+                                  for k in ("ce", "stats", "grad")})
+    _epilogue_checks(compiled, in_place=False)

@@ -18,8 +18,8 @@ from typing import Optional, Tuple
 import torch
 
 from logitless.ops import _validate
+from logitless.ops._chunk_epilogues import epilogues_for
 from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
-from logitless.settings import settings
 
 # Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
@@ -71,52 +71,10 @@ def _addmm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out.add_(_mm_acc(a, b, out.dtype))
 
 
-def _gemm_operand(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dlogits as the GEMM operand: the input dtype on CUDA (tensor cores, as autograd does), kept in
-    the accumulator dtype elsewhere, where a half-precision GEMM is no faster."""
-    return grad.to(dtype) if grad.is_cuda else grad
-
-
 def _gemm_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    # dlogits as the GEMM operand: the input dtype on CUDA (tensor cores, as autograd does), kept in
+    # the accumulator dtype elsewhere, where a half-precision GEMM is no faster.
     return dtype if grad.is_cuda else grad.dtype
-
-
-def _ce_epilogue_eager(z, safe, valid, coef, out_dtype):
-    """Summed CE of a chunk and ``dloss/dlogits = (softmax - onehot) * coef``, in place on ``z``."""
-    lse = torch.logsumexp(z, dim=-1)
-    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
-    grad = z.sub_(lse.unsqueeze(1)).exp_()
-    grad.scatter_add_(1, safe, -torch.ones_like(safe, dtype=z.dtype))
-    grad.mul_((valid.to(z.dtype) * coef).unsqueeze(1))
-    return loss, grad.to(out_dtype)
-
-
-def _ce_epilogue_fusible(z, safe, valid, coef, out_dtype):
-    """The same without in-place ops or scatter, so that inductor fuses it into one reduction and one
-    pointwise kernel: the chunk's fp32 logits are read twice instead of ~8 eager passes."""
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = torch.where(valid, lse.squeeze(1) - z.gather(1, safe).squeeze(1), 0.0).sum()
-    onehot = torch.arange(z.shape[1], device=z.device) == safe
-    grad = (torch.exp(z - lse) - onehot.to(z.dtype)) * (valid.to(z.dtype) * coef).unsqueeze(1)
-    return loss, grad.to(out_dtype)
-
-
-_COMPILED_CE_EPILOGUE = None
-
-
-def _ce_epilogue_for(hidden: torch.Tensor):
-    """The compiled epilogue on CUDA (``LOGITLESS_CHUNKED_COMPILE=0`` turns it off), eager elsewhere.
-
-    The chunked path stays pure PyTorch; compiling its per-chunk softmax/gradient is what brings its
-    head overhead to the level of torchtune's (eager, it is a dozen memory passes over rows x V fp32).
-    Row counts vary with the tail chunk and the batch, hence ``dynamic=True``.
-    """
-    global _COMPILED_CE_EPILOGUE
-    if not hidden.is_cuda or not settings.chunked_compile:
-        return _ce_epilogue_eager
-    if _COMPILED_CE_EPILOGUE is None:
-        _COMPILED_CE_EPILOGUE = torch.compile(_ce_epilogue_fusible, dynamic=True)
-    return _COMPILED_CE_EPILOGUE
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
@@ -126,22 +84,6 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc
     if temperature != 1.0:
         z.div_(temperature)
     return z
-
-
-def _log_softmax_(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``log softmax(z)`` in place as ``(z - max) - log(sum exp(z - max))``, and that max and log-sum.
-
-    The same rounding as ``torch.log_softmax``: ``z - lse`` would first round ``lse`` at the logits'
-    magnitude. Returns ``(logq, m, log_s)``; ``_apply_log_softmax_`` recomputes ``logq`` from them.
-    """
-    m = z.amax(dim=-1)
-    z.sub_(m.unsqueeze(1))
-    log_s = torch.exp(z).sum(-1).log()
-    return z.sub_(log_s.unsqueeze(1)), m, log_s
-
-
-def _apply_log_softmax_(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
-    return z.sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
 
 
 class _LinearCrossEntropyGradInForward(torch.autograd.Function):
@@ -154,24 +96,24 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
         valid_all = labels != ignore_index
         mask = has_ignored_rows(valid_all, n_valid)
         # "mean" divides by the non-ignored count (clamped so an all-ignored batch gives 0, not NaN).
-        scale = 1.0 / valid_all.sum().clamp(min=1).to(acc) if mean else torch.ones((), dtype=acc, device=hidden.device)
+        count = valid_all.sum().clamp(min=1).to(acc) if mean else torch.ones((), dtype=acc, device=hidden.device)
+        scale = 1.0 / count
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # dh and dW stay in the accumulator dtype until the upstream scalar is applied in backward,
         # so they are rounded to the input dtype once, as plain autograd rounds them.
         dh = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        epilogue = _ce_epilogue_for(hidden)
+        ep = epilogues_for(hidden)
         for start in range(0, n, chunk_size):
             y, valid = labels[start : start + chunk_size], valid_all[start : start + chunk_size]
             h = zero_ignored_rows(hidden[start : start + chunk_size], valid, mask)
             safe = torch.where(valid, y, 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
             if not (need_dh or need_dw):
-                lse = torch.logsumexp(z, dim=-1)
-                total = total + torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+                total = total - ep.stats(z, safe, valid, False)[0].sum()
                 continue
-            loss, grad = epilogue(z, safe, valid, scale / temperature, _gemm_dtype(z, hidden.dtype))
+            loss, grad = ep.ce(z, safe, valid, scale / temperature, _gemm_dtype(z, hidden.dtype))
             total = total + loss
             if need_dh:
                 dh[start : start + chunk_size] = _mm_acc(grad, weight, acc)
@@ -179,7 +121,7 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
                 _addmm_acc_(dw, grad.T, h)
         ctx.save_for_backward(dh, dw)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
-        return total * scale
+        return total / count  # as plain PyTorch's mean rounds it (not total * (1 / count))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -204,17 +146,16 @@ class _LinearLogProbs(torch.autograd.Function):
         m_all = torch.zeros(n, dtype=acc, device=hidden.device)
         log_s_all = torch.zeros(n, dtype=acc, device=hidden.device)
         ent = torch.zeros(n, dtype=acc, device=hidden.device) if return_entropy else None
+        ep = epilogues_for(hidden)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
             y, v = labels[start:stop], valid[start:stop]
             safe = torch.where(v, y, 0).long().unsqueeze(1)
             z = _chunk_logits(zero_ignored_rows(hidden[start:stop], v, mask), weight, temperature, acc)
-            logq, m_all[start:stop], log_s_all[start:stop] = _log_softmax_(z)
-            logp[start:stop] = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0)
+            lp, en, m_all[start:stop], log_s_all[start:stop] = ep.stats(z, safe, v, return_entropy)
+            logp[start:stop] = lp
             if return_entropy:
-                # H = -sum_j p_j log p_j: a sum of non-negative terms. The algebraically equal
-                # lse - sum_j p_j z_j subtracts two numbers of the logits' size and cancels in fp32.
-                ent[start:stop] = torch.where(v, -torch.exp(logq).mul_(logq).sum(-1), 0.0)
+                ent[start:stop] = en
         ctx.save_for_backward(hidden, weight, labels, m_all, log_s_all, ent)
         ctx.ignore_index, ctx.temperature, ctx.chunk_size, ctx.mask = ignore_index, temperature, chunk_size, mask
         return logp, ent
@@ -231,33 +172,18 @@ class _LinearLogProbs(torch.autograd.Function):
         valid = labels != ctx.ignore_index
         dh = torch.empty_like(hidden) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        ep = epilogues_for(hidden)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             v = valid[start:stop]
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
             h = zero_ignored_rows(hidden[start:stop], v, ctx.mask)
             z = _chunk_logits(h, weight, t, acc)
-            logq = _apply_log_softmax_(z, m_all[start:stop], log_s_all[start:stop])
-            p = logq.exp()
-            # d logp_y / dz = onehot - p ;  d H / dz = -p * (log p + H); so with upstream (a, b):
-            # dz = a * onehot - p * (a + b * (log p + H)). Upstreams at ignored rows never enter.
-            g_lp = None
-            if grad_logp is not None:
-                g_lp = torch.where(v, grad_logp[start:stop].to(acc), 0.0).unsqueeze(1)
-            if grad_ent is not None and ent is not None:
-                g_ent = torch.where(v, grad_ent[start:stop].to(acc), 0.0).unsqueeze(1)
-                grad = logq.add_(ent[start:stop].unsqueeze(1)).mul_(g_ent)
-                if g_lp is not None:
-                    grad.add_(g_lp)
-                grad.mul_(p)
-            else:
-                grad = p.mul_(g_lp)
-            grad.neg_()
-            if g_lp is not None:
-                grad.scatter_add_(1, safe, g_lp)
-            if t != 1.0:
-                grad.mul_(1.0 / t)
-            grad = _gemm_operand(grad, hidden.dtype)
+            g_lp = None if grad_logp is None else grad_logp[start:stop]
+            g_ent = None if grad_ent is None or ent is None else grad_ent[start:stop]
+            ent_c = None if g_ent is None else ent[start:stop]
+            grad = ep.grad(z, m_all[start:stop], log_s_all[start:stop], ent_c, g_lp, g_ent, safe, v, 1.0 / t,
+                           _gemm_dtype(z, hidden.dtype))
             if need_dh:
                 dh[start:stop] = _mm_acc(grad, weight, acc).to(hidden.dtype)
             if need_dw:
@@ -385,6 +311,7 @@ class _LinearTokenObjective(torch.autograd.Function):
         starts = torch.arange(0, n + chunk_size, chunk_size, device=hidden.device)
         bounds = torch.searchsorted(idx_all, starts).tolist()
         mask = bounds[-1] != n  # some row is ignored: zero those rows before the GEMMs
+        ep = epilogues_for(hidden)
         for ci, start in enumerate(range(0, n, chunk_size)):
             stop = min(start + chunk_size, n)
             rows = idx_all[bounds[ci] : bounds[ci + 1]]
@@ -392,10 +319,11 @@ class _LinearTokenObjective(torch.autograd.Function):
             h = zero_ignored_rows(hidden[start:stop], v, mask)
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
             z = _chunk_logits(h, weight, temperature, acc)
-            logq, _, _ = _log_softmax_(z)
-            p = logq.exp()
-            logp = torch.where(v, logq.gather(1, safe).squeeze(1), 0.0).float()
-            ent = torch.where(v, -(p * logq).sum(-1), 0.0).float() if need_entropy else None
+            logp_acc, ent_acc, m, log_s = ep.stats(z, safe, v, need_entropy)
+            if ep.in_place:  # z holds log q now
+                m = log_s = None
+            logp = logp_acc.float()
+            ent = ent_acc.float() if need_entropy else None
             local = rows - start
             with torch.enable_grad():
                 lp_leaf = logp[local].requires_grad_()
@@ -411,16 +339,10 @@ class _LinearTokenObjective(torch.autograd.Function):
                 ent_all[start:stop] = ent
             if not (need_dh or need_dw):
                 continue
-            a = grads[0].to(acc) if grads[0] is not None else torch.zeros_like(logp, dtype=acc)
-            b = grads[1].to(acc) if need_entropy and grads[1] is not None else None
-            # dz = a * onehot - p * (a + b * (log p + H))
-            if b is not None:
-                grad = logq.add_(ent.to(acc).unsqueeze(1)).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1)).mul_(p)
-            else:
-                grad = p.mul_(a.unsqueeze(1))
-            grad.neg_().scatter_add_(1, safe, a.unsqueeze(1))
-            grad.mul_((v.to(acc) / temperature).unsqueeze(1))
-            grad = _gemm_operand(grad, hidden.dtype)
+            a = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+            b = grads[1] if need_entropy and grads[1] is not None else None
+            grad = ep.grad(z, m, log_s, ent_acc if b is not None else None, a, b, safe, v, 1.0 / temperature,
+                           _gemm_dtype(z, hidden.dtype))
             if need_dh:
                 dh[start:stop] = _mm_acc(grad, weight, acc)
             if need_dw:
