@@ -173,8 +173,7 @@ def test_ce_many_chunks_dw_error_within_plain_torch():
 def test_chunked_token_objective_compiled_matches_float64():
     # The chunked GRPO-style objective on CUDA (compiled stats and gradient epilogues) against
     # float64 autograd of the same per-token terms; bf16 inputs, error within plain PyTorch's.
-    import logitless
-    from logitless.ops import reference
+    from logitless.ops import linear_token_objective, reference
 
     hidden, weight, labels = _inputs(1536, 896, 151936, seed=5)
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -183,7 +182,7 @@ def test_chunked_token_objective_compiled_matches_float64():
     def objective(lp, ent, rows):
         return -(adv[rows].to(lp.dtype) * lp).sum() - 0.01 * ent.sum()
 
-    loss, _, _ = logitless.linear_token_objective(hidden, weight, labels, objective, need_entropy=True,
+    loss, _, _ = linear_token_objective(hidden, weight, labels, objective, need_entropy=True,
                                                   impl="chunked", chunk_size=320)
     loss.backward()
     valid = labels != IGN

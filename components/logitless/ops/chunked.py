@@ -21,23 +21,31 @@ from logitless.ops import _validate
 from logitless.ops._chunk_epilogues import epilogues_for
 from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
 
-# Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once.
+# Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once in the
+# eager epilogues; the compiled ones keep only the float32 logits and the gradient operand.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
 _BUFFERS_PER_ROW = 3
 
 
-def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int:
-    """Rows per chunk such that the chunk's float32 temporaries stay within ``budget_bytes``.
+def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
+                    bytes_per_logit: int = 4 * _BUFFERS_PER_ROW) -> int:
+    """Rows per chunk such that the chunk's temporaries stay within ``budget_bytes``.
 
     Args:
         num_rows (int): N, the number of tokens.
         vocab_size (int): V.
         budget_bytes (int): memory allowed for the chunk temporaries.
+        bytes_per_logit (int): bytes of temporaries per logit of a chunk (three float32 buffers by
+            default).
 
     Returns:
         int: rows per chunk, in ``[1, max(num_rows, 1)]``, a multiple of 64 when above 64.
+
+    Example:
+        >>> auto_chunk_size(8192, 152064)
+        576
     """
-    rows = max(1, budget_bytes // (vocab_size * 4 * _BUFFERS_PER_ROW))
+    rows = max(1, budget_bytes // (vocab_size * bytes_per_logit))
     if rows > 64:
         rows -= rows % 64  # GEMM-friendly tiles
     return max(1, min(rows, num_rows))
@@ -45,6 +53,17 @@ def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: Optional[int]) -> int:
+    # The compiled epilogues (CUDA) hold no rows x V temporary but the logits (accumulator dtype)
+    # and the gradient operand (input dtype): twice the rows of the eager ones in the same budget,
+    # so the weight is streamed half as often.
+    if chunk_size:
+        return chunk_size
+    acc_bytes = 8 if hidden.dtype == torch.float64 else 4
+    per_logit = acc_bytes * _BUFFERS_PER_ROW if epilogues_for(hidden).in_place else acc_bytes + hidden.element_size()
+    return auto_chunk_size(hidden.shape[0], weight.shape[0], bytes_per_logit=per_logit)
 
 
 def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -230,7 +249,7 @@ def linear_log_probs(
         >>> logp, ent = linear_log_probs(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
     """
     _check_entry(weight, temperature)
-    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    rows = _rows_per_chunk(hidden, weight, chunk_size)
     return _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, return_entropy, rows,
                                  n_valid)
 
@@ -269,7 +288,7 @@ def linear_cross_entropy(
         >>> loss = linear_cross_entropy(torch.randn(5, 8), torch.randn(11, 8), torch.arange(5))
     """
     _check_entry(weight, temperature)
-    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    rows = _rows_per_chunk(hidden, weight, chunk_size)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if reduction == "none" or not needs_grad:
         logp, _ = _LinearLogProbs.apply(hidden, weight, labels, ignore_index, temperature, False, rows, n_valid)
@@ -400,7 +419,7 @@ def linear_token_objective(
         >>> loss.backward()
     """
     _check_entry(weight, temperature)
-    rows = chunk_size or auto_chunk_size(hidden.shape[0], weight.shape[0])
+    rows = _rows_per_chunk(hidden, weight, chunk_size)
     return _LinearTokenObjective.apply(
         hidden, weight, labels, ignore_index, temperature, token_objective, need_entropy, rows
     )
