@@ -671,6 +671,31 @@ def plot(csv_path, png_path):
     fig.savefig(png_path, dpi=110)
 
 
+def _fmt(x, spec):
+    return format(float(x), spec) if x not in ("", None, "nan") and float(x) == float(x) else ""
+
+
+def tables(csv_path, out=sys.stdout):
+    """Markdown tables of a results CSV, one per (shape, logits regime, ignored fraction), in the
+    order the rows were measured (the README and docs/performance.md tables come from here)."""
+    with open(csv_path, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("ms")]
+    keys = list(dict.fromkeys((r["shape"], r.get("logits", ""), r.get("ignore_frac", "")) for r in rows))
+    for shape, regime, ign in keys:
+        sel = [r for r in rows if (r["shape"], r.get("logits", ""), r.get("ignore_frac", "")) == (shape, regime, ign)]
+        r0 = sel[0]
+        print(f"\n#### {shape} ({r0['N']}, {r0['H']}, {r0['V']}), {regime or 'gaussian-std2'} logits, "
+              f"{float(ign or 0):.0%} ignored labels: one GEMM = {float(r0['gemm_ms']):.1f} ms\n", file=out)
+        print("| mode | impl | ms | GEMMs | peak extra GiB | err loss/logp | err dh | err dW |", file=out)
+        print("|---|---|---:|---:|---:|---:|---:|---:|", file=out)
+        for r in sel:
+            impl = f"**{r['impl']}**" if r["impl"] == "triton" else r["impl"]
+            gemms = _fmt(r["gemms"], ".2f")
+            print(f"| {r['mode']} | {impl} | {_fmt(r['ms'], '.1f')} | "
+                  f"{f'**{gemms}**' if r['impl'] == 'triton' else gemms} | {_fmt(r['peak_extra_gib'], '.2f')} | "
+                  f"{_fmt(r['err_out'], '.1e')} | {_fmt(r['err_dh'], '.1e')} | {_fmt(r['err_dw'], '.1e')} |", file=out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="qwen7b,llama8b,qwen05b,long")
@@ -689,9 +714,12 @@ def main(argv=None):
     ap.add_argument("--tradeoffs", default="", help="shapes for workspace / ignored-rows / launch sweeps")
     ap.add_argument("--profile", default="", help="shapes for the GEMM / epilogue / idle split of each path")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
+    ap.add_argument("--table", metavar="CSV", help="only print a results CSV as markdown tables")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(*args.plot)
+    if args.table:
+        return tables(args.table)
     for shape in filter(None, args.tradeoffs.split(",")):
         tradeoffs(shape)
     if args.tradeoffs:

@@ -161,3 +161,22 @@ def test_tt_chunked_matches_reference(bench, case, mode):
 def test_tt_compiled_matches_reference(bench, case):
     torch._dynamo.reset()
     _check(bench, case, "tt_compiled", "ce")
+
+
+def test_tables_print_every_measured_row(bench, tmp_path):
+    path = tmp_path / "r.csv"
+    fields = ["shape", "N", "H", "V", "logits", "ignore_frac", "mode", "impl", "ms", "gemm_ms", "gemms",
+              "peak_extra_gib", "err_out", "err_dh", "err_dw", "note"]
+    rows = [["qwen7b", 8192, 3584, 152064, "peaked", 0.1, "ce", "triton", 53.3, 12.5, 4.25, 1.38, 1.3e-6, 2.8e-3, 2.8e-3, ""],
+            ["qwen7b", 8192, 3584, 152064, "peaked", 0.1, "ce", "liger", "", 12.5, "", "", "", "", "", "n/a"],
+            ["qwen7b", 8192, 3584, 152064, "peaked", 0.1, "fwd", "cce", 16.3, 12.5, 1.32, 0.0, 2.4e-4, "", "", ""]]
+    path.write_text("\n".join(",".join(map(str, r)) for r in [fields] + rows) + "\n")
+    import io
+
+    out = io.StringIO()
+    bench.tables(str(path), out)
+    text = out.getvalue()
+    assert "peaked logits, 10% ignored labels: one GEMM = 12.5 ms" in text
+    assert "| ce | **triton** | 53.3 | **4.25** | 1.38 | 1.3e-06 | 2.8e-03 | 2.8e-03 |" in text
+    assert "| fwd | cce | 16.3 | 1.32 | 0.00 | 2.4e-04 |  |  |" in text
+    assert "liger" not in text  # rows without a time are notes, not table rows
