@@ -80,8 +80,10 @@ KNOBS: Dict[str, Knob] = {
         "Recipes print the full traceback of a configuration error instead of one line (exit 2)."),
     "chunked_compile": Knob(
         "LOGITLESS_CHUNKED_COMPILE", True, _flag,
-        "impl='chunked' on CUDA compiles its per-chunk softmax/gradient epilogue (torch.compile, "
-        "dynamic shapes): about a dozen fewer memory passes per chunk, one compile per process."),
+        "impl='chunked' on CUDA compiles its per-chunk softmax work (cross-entropy, log-probs + "
+        "entropy and their gradient, the token objective's gradient; torch.compile, dynamic shapes) for "
+        "bf16/fp16 inputs: a few memory passes per chunk instead of about ten, chunks of twice the rows "
+        "in the same budget, one compile per process."),
     "triton_workspace_mb": Knob(
         "LOGITLESS_TRITON_WORKSPACE_MB", 224, _positive_int,
         "MiB of the reused logits buffer of the fused head when gradients are computed: larger "
