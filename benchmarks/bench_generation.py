@@ -139,7 +139,8 @@ def make_samplers(names, compile, cache_len):
 
     accepted = inspect.signature(CompiledSampler).parameters
     # what reproduces the sampler before compaction and in-graph draws, where this version has them
-    baseline = {k: v for k, v in dict(buckets=None, draws="generator", attention="sdpa").items() if k in accepted}
+    baseline = {k: v for k, v in dict(compaction=False, draws="generator", attention_window=None).items()
+                if k in accepted}
     out = {}
     for name in names:
         if name == "compiled":
@@ -182,7 +183,11 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
                 new_tokens=new_tokens, status="ok")
     out = []
     never = [vocab]  # outside the vocabulary: never sampled
-    compile_s, _ = timed(lambda: sample(sampler, model, prompts, 4, never, 1), device)  # compile, capture
+    # compile and capture every graph the timed calls use (batch buckets, attention windows): a
+    # training run pays this once
+    compile_s, _ = timed(lambda: sample(sampler, model, prompts, 4, never, 1), device)
+    for stops in (never, mix_stop_tokens(vocab, new_tokens)):
+        sample(sampler, model, prompts, new_tokens, stops, 1)
     prefill_s, _ = timed(lambda: sample(sampler, model, prompts, 1, never, 1), device)
     for mix in MIXES:
         row = dict(base, mix=mix, compile_s=round(compile_s, 1) if mix == "uniform" else "")
@@ -205,9 +210,13 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
         except Exception as exc:  # one failing configuration must not hide the others' numbers
             traceback.print_exc()
             row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
+        from torch._dynamo.utils import counters
+
         print(f"[{name} rows={rows} new={new_tokens} {mix:>7}] {sampler_name:>9}: {row.get('tokens_per_s', '-')} tok/s "
               f"step {row.get('step_ms', '-')} ms roofline {row.get('roofline_frac', '-')} mean_len "
-              f"{row.get('mean_len', '-')} {row['status']}", flush=True)
+              f"{row.get('mean_len', '-')} {row['status']} (graphs compiled so far "
+              f"{counters['stats']['unique_graphs']}, cudagraph skips {counters['inductor']['cudagraph_skips']})",
+              flush=True)
         out.append(row)
     return out
 
@@ -218,7 +227,8 @@ def profile(model, sampler, rows, prompt_len, new_tokens, device, top=20):
 
     vocab = model.tok_embeddings.num_embeddings
     prompts = torch.randint(1, vocab, (rows // GROUP, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    sample(sampler, model, prompts, new_tokens, [vocab], 1)  # compile and capture outside the trace
+    for stops in ([vocab], mix_stop_tokens(vocab, new_tokens)):  # compile and capture outside the trace
+        sample(sampler, model, prompts, new_tokens, stops, 1)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
         seconds, _ = timed(lambda: sample(sampler, model, prompts, new_tokens, [vocab], 2), device)

@@ -163,17 +163,19 @@ def training_log_probs(model, rollout, temperature):
     return result
 
 
-def test_sampled_log_probs_equal_training_path_and_reference_draws():
+@pytest.mark.parametrize("draws", ["generator", "counter"])
+def test_sampled_log_probs_equal_training_path_and_reference_draws(draws):
     model = tiny(seed=1).eval()
     kw = dict(max_new_tokens=10, stop_tokens=[7, 11, 19], pad_id=0, num_generations=3,
               temperature=0.7, top_k=40, top_p=0.95)
-    fast = uncompiled()(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
+    fast = uncompiled(draws=draws)(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
     torch.testing.assert_close(fast.sampler_log_probs, training_log_probs(model, fast, 0.7),
                                atol=2e-5, rtol=0)
-    # same draws as the reference sampler: prefill of one prompt per group changes nothing
-    ref = eager_generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
-    assert torch.equal(fast.completion_tokens, ref.completion_tokens)
-    assert torch.equal(fast.completion_mask, ref.completion_mask)
+    if draws == "generator":
+        # same draws as the reference sampler: prefill of one prompt per group changes nothing
+        ref = eager_generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(fast.completion_tokens, ref.completion_tokens)
+        assert torch.equal(fast.completion_mask, ref.completion_mask)
     # G samples of one prompt differ (the rows really are independent after replication)
     assert len({tuple(c) for c in completions(fast)[:3]}) > 1
 
@@ -216,6 +218,7 @@ def test_training_forward_is_causal_after_generation_even_on_error(monkeypatch):
         raise RuntimeError("sampling failed")
 
     monkeypatch.setattr(compiled, "sample_next", boom)
+    monkeypatch.setattr(compiled, "sample_counter", boom)
     with pytest.raises(RuntimeError, match="sampling failed"):
         CompiledSampler(compile=False, keep_cache=True)(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER,
                                                       pad_id=0)
@@ -292,3 +295,57 @@ def test_refuses_model_with_caches_and_too_small_cache():
     model.setup_caches(1, torch.float32, decoder_max_seq_len=8)
     with pytest.raises(ValueError, match="already set up"):
         uncompiled()(model, PROMPTS, max_new_tokens=2, stop_tokens=[0], pad_id=0)
+
+
+def test_compiled_step_with_compaction_is_one_graph_for_every_bucket():
+    from torch._dynamo.utils import counters
+
+    from logitless.rl.rollout import prompt_generators
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(seed=2).eval()
+    prompts = PROMPTS + [[3, 4], [8, 8, 8]]
+    kw = dict(max_new_tokens=16, stop_tokens=list(range(1, VOCAB, 4)), pad_id=0, num_generations=4,
+              temperature=1.0)
+    sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1)
+    sizes = []
+    compact = sampler._compact
+    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    out = sampler(model, prompts, generator=prompt_generators(0, 0, range(5)), **kw)
+    assert len(sizes) >= 2  # 20 rows -> 10 -> 5 -> ... as rows finish
+    assert counters["stats"]["unique_graphs"] == 1  # the batch dimension is dynamic: no recompilation
+    ref = uncompiled(compaction=False)(model, prompts, generator=prompt_generators(0, 0, range(5)), **kw)
+    assert torch.equal(out.completion_tokens, ref.completion_tokens)
+    torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+
+
+def test_attention_window_reads_the_filled_columns_only_and_changes_nothing(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(seed=3).eval()
+    kw = dict(max_new_tokens=14, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
+    lengths = []
+    sdpa = compiled.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        lengths.append(k.shape[2])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", spy)
+    whole = uncompiled(attention_window=None, cache_len_multiple=32)(model, PROMPTS, **kw)
+    assert set(lengths[4:]) == {32}  # (after the prefill's) every step reads the whole cache
+    lengths.clear()
+    windowed = uncompiled(attention_window=4, cache_len_multiple=32)(model, PROMPTS, **kw)
+    decode = lengths[2:]  # the prefill runs torchtune's attention on its own cache
+    assert sorted(set(decode)) == [8, 12, 16, 20]  # width 5 + up to 13 new columns, in steps of 4
+    assert decode == sorted(decode)
+    assert torch.equal(windowed.completion_tokens, whole.completion_tokens)
+    torch.testing.assert_close(windowed.sampler_log_probs, whole.sampler_log_probs, atol=1e-6, rtol=0)
+    monkeypatch.undo()
+    sampler = CompiledSampler(compile=True, backend="aot_eager", attention_window=4, cache_len_multiple=32)
+    compiled_out = sampler(model, PROMPTS, **kw)
+    assert torch.equal(compiled_out.completion_tokens, whole.completion_tokens)
+    assert counters["stats"]["unique_graphs"] <= 2  # the window is a dynamic size after its first change

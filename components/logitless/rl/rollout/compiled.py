@@ -36,7 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from logitless.rl.rollout.result import Rollout, left_pad
-from logitless.rl.rollout.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
+from logitless.rl.rollout.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
+                                           sample_counter, sample_next)
 from logitless.rl.rollout.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
 
 __all__ = ["CompiledSampler", "generate"]
@@ -89,14 +90,17 @@ def _groupable(layer: nn.Module) -> bool:
     return type(layer) is TransformerSelfAttentionLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
 
 
-def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
+                       cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                       col: Optional[torch.Tensor] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
     and step before SDPA. Here the query heads that share a K/V head are folded into the query
     length instead (query head ``h`` reads K/V head ``h // group``, torchtune's order), so SDPA
-    reads the cache once; the result is the same attention.
+    reads the cache once; the result is the same attention. With ``cache`` (the first ``B`` rows of
+    the layer's cache, as a batch bucket sees them) the new key and value are written at column
+    ``col`` there instead of through ``attn.kv_cache``.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -111,7 +115,12 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         q = attn.q_norm(q)
     if attn.k_norm is not None:
         k = attn.k_norm(k)
-    k, v = attn.kv_cache.update(k, v)
+    if cache is None:
+        k, v = attn.kv_cache.update(k, v)
+    else:
+        cache[0].index_copy_(2, col, k)
+        cache[1].index_copy_(2, col, v)
+        k, v = cache
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
     length = mask.shape[-1]
@@ -122,23 +131,76 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
 
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
-                grouped: bool) -> torch.Tensor:
+                grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                col: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin."""
     layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
-    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask)) + h
+    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col)) + h
     return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
 
 
-def _decode_step(model: nn.Module, tokens: torch.Tensor, input_pos: torch.Tensor, col: torch.Tensor,
-                 key_valid: torch.Tensor, weight: torch.Tensor, grouped: bool = True) -> torch.Tensor:
-    """One decode step of the whole batch at cache column ``col`` (a ``(1,)`` tensor, not an int,
-    so the compiled step is the same graph at every column): ``(N, V)`` fp32 logits."""
-    cols = torch.arange(key_valid.shape[1], device=key_valid.device)
-    mask = key_valid[:, None, :] & (cols <= col)
-    return last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight,
-                                run_layer=lambda layer, h: _layer_step(layer, h, input_pos, mask, grouped))
+def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logits: torch.Tensor,
+            draw: Tuple) -> None:
+    """Samples token ``t`` of every row of a bucket from ``logits`` with the counter-based stream and
+    writes it: into the outputs (at the row's original index), the finished flags and the next
+    step's input; ``t`` advances. All in place, no host sync: it runs inside the captured graph."""
+    temperature, top_k, top_p, pad_id = draw
+    step = shared["t"]
+    nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p)
+    _write(rows, shared, nxt, logp, pad_id)
+
+
+def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: torch.Tensor,
+           logp: torch.Tensor, pad_id: int) -> None:
+    """Writes sampled token ``t`` of a bucket's rows (see :func:`_record`)."""
+    done, slots, step = rows["done"], rows["slots"], shared["t"]
+    live = ~done
+    nxt = torch.where(live, nxt, torch.full_like(nxt, pad_id))
+    at = (slots, step.expand_as(slots))
+    shared["out_tokens"].index_put_(at, nxt)
+    shared["out_mask"].index_put_(at, live)
+    shared["out_logp"].index_put_(at, torch.where(live, logp, torch.zeros_like(logp)))
+    done.copy_(done | (live & shared["is_stop"][nxt]))
+    rows["tokens"].copy_(nxt[:, None])
+    step.add_(1)
+
+
+def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
+                 weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
+                 columns: Optional[torch.Tensor] = None):
+    """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
+    not an int, so the compiled step is the same graph at every column).
+
+    Runs the trunk on the rows' last tokens; with ``draw`` (temperature, top_k, top_p, pad_id) it
+    also samples and writes the next token (:func:`_record`) and returns None, else it returns the
+    ``(rows, V)`` fp32 logits. Positions and the column advance in place. ``columns`` (the column
+    indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
+    its length is a dynamic dimension, so each window size is one more CUDA graph, not a recompile.
+    """
+    tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
+    caches = rows.get("caches")
+    if columns is None:
+        columns = torch.arange(key_valid.shape[1], device=key_valid.device)
+    else:  # attend over the filled window only: the first len(columns) columns of the cache
+        # narrow, not a slice: a slice's clamp to the size would specialise the window to it
+        window = columns.shape[0]
+        key_valid = key_valid.narrow(1, 0, window)
+        if caches:
+            caches = [(k.narrow(2, 0, window), v.narrow(2, 0, window)) for k, v in caches]
+    mask = key_valid[:, None, :] & (columns <= col)
+
+    def run_layer(index, layer, h):
+        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col)
+
+    logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer)
+    input_pos.add_(1)
+    col.add_(1)
+    if draw is None:
+        return logits
+    _record(rows, shared, logits, draw)
+    return None
 
 
 def _prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -182,6 +244,18 @@ class CompiledSampler:
             the model); None = whenever the step is compiled. ``release()`` frees them.
         grouped_attention (bool): decode with grouped-query attention that reads each K/V head
             once (default); False runs torchtune's layers as they are (K/V copied per query head).
+        draws (str): ``"counter"`` (default): tokens are drawn inside the decode step from a
+            counter-based stream keyed by (row key, step, token) (:func:`~logitless.rl.rollout.sampling.sample_counter`;
+            the row keys come from ``generator``), so sampling is part of the captured graph and a
+            row's tokens do not depend on the rest of the batch; ``"generator"``: drawn eagerly
+            with ``torch.multinomial`` from ``generator`` after each step (the eager sampler's draws).
+        compaction (bool): when rows finish, move the live ones into the next smaller batch bucket
+            (halving down to ``min_bucket``) so finished rows stop costing decode steps; needs
+            ``draws="counter"`` and layers the grouped decode step can run (else off).
+        min_bucket (int): the smallest bucket compaction moves rows into.
+        attention_window (Optional[int]): decode attention reads the cache up to the filled column
+            rounded up to a multiple of this (one CUDA graph per window size), not the whole cache;
+            None reads the whole cache at every step. Needs the grouped decode step.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -195,7 +269,8 @@ class CompiledSampler:
     def __init__(self, *, compile: Optional[bool] = None, backend: Union[str, Callable] = "inductor",
                  mode: Optional[str] = None, sync_every: int = 16, cache_len_multiple: int = 256,
                  max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
-                 grouped_attention: bool = True) -> None:
+                 grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
+                 min_bucket: int = 8, attention_window: Optional[int] = 256) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -214,8 +289,20 @@ class CompiledSampler:
         self.max_cache_len = max_cache_len
         if not isinstance(grouped_attention, bool):
             raise ValueError(f"grouped_attention must be True or False, got {grouped_attention!r}")
+        if draws not in ("counter", "generator"):
+            raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
+        if not isinstance(compaction, bool):
+            raise ValueError(f"compaction must be True or False, got {compaction!r}")
+        if not isinstance(min_bucket, int) or min_bucket < 2:
+            raise ValueError(f"min_bucket must be an int >= 2, got {min_bucket!r}")
+        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 1):
+            raise ValueError(f"attention_window must be None or an int >= 1, got {attention_window!r}")
         self.keep_cache = keep_cache
         self.grouped_attention = grouped_attention
+        self.attention_window = attention_window
+        self.draws = draws
+        self.compaction = compaction
+        self.min_bucket = min_bucket
         self._compiled = None
         self._state: Optional[Dict[str, object]] = None
 
@@ -232,7 +319,10 @@ class CompiledSampler:
                 mode = "reduce-overhead"
             # not fullgraph: a graph break on another torch version costs speed, not the run
             # (tests/rl/rollout/test_compiled.py checks the step is one graph)
-            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, dynamic=False)
+            # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
+            # bucket; a CUDA graph is captured per bucket size), everything else is static
+            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode,
+                                           dynamic=None if self.compaction or self.attention_window else False)
         return self._compiled
 
     def _cache_len(self, width: int, max_new_tokens: int) -> int:
@@ -246,28 +336,76 @@ class CompiledSampler:
         return -(-need // m) * m
 
     def _buffers(self, attns, rows: int, length: int, dtype, device, weight: torch.Tensor) -> Dict[str, object]:
-        """The decode caches and step inputs, reused while the shape is unchanged."""
+        """The decode caches, the outputs and the step inputs, reused while the shape is unchanged."""
         key = (rows, length, dtype, device, len(attns), tuple(weight.shape), weight.dtype)
         if self._state is not None and self._state["key"] == key:
             return self._state
         self._state = None  # drop the old buffers before allocating new ones
+        vocab = weight.shape[0]
+        shared = {  # one extra output row: where finished filler rows of a bucket write
+            "col": torch.zeros(1, dtype=torch.long, device=device),
+            "t": torch.zeros(1, dtype=torch.long, device=device),
+            "out_tokens": torch.zeros(rows + 1, length, dtype=torch.long, device=device),
+            "out_mask": torch.zeros(rows + 1, length, dtype=torch.bool, device=device),
+            "out_logp": torch.zeros(rows + 1, length, dtype=torch.float32, device=device),
+            "is_stop": torch.zeros(vocab, dtype=torch.bool, device=device),
+        }
+        columns = torch.arange(length, device=device)
         state = {
             "key": key,
             "caches": _new_caches(attns, rows, length, dtype, device),
-            "tokens": torch.zeros(rows, 1, dtype=torch.long, device=device),
-            "input_pos": torch.zeros(rows, 1, dtype=torch.long, device=device),
-            "col": torch.zeros(1, dtype=torch.long, device=device),
-            "key_valid": torch.zeros(rows, length, dtype=torch.bool, device=device),
+            "shared": shared,
+            "buckets": {},
+            "columns": columns,
             "weight": None if isinstance(weight, nn.Parameter) else torch.empty_like(weight),
         }
         # fixed addresses: CUDA graphs read these in place instead of copying them every replay
-        static = [state["tokens"], state["input_pos"], state["col"], state["key_valid"]]
+        static = list(shared.values()) + [columns]
         static += [t for c in state["caches"] for t in (c.k_cache, c.v_cache, c.cache_pos)]
         static.append(weight if state["weight"] is None else state["weight"])
         for t in static:
             torch._dynamo.mark_static_address(t)
         self._state = state
         return state
+
+    def _bucket(self, state, size: int, views: bool) -> Dict[str, torch.Tensor]:
+        """The step inputs of a batch bucket of ``size`` rows (the first ``size`` rows of the caches)."""
+        bucket = state["buckets"].get(size)
+        if bucket is not None:
+            return bucket
+        length = state["key"][1]
+        device = state["shared"]["col"].device
+        bucket = {
+            "tokens": torch.zeros(size, 1, dtype=torch.long, device=device),
+            "input_pos": torch.zeros(size, 1, dtype=torch.long, device=device),
+            "key_valid": torch.ones(size, length, dtype=torch.bool, device=device),
+            "keys": torch.zeros(size, dtype=torch.long, device=device),
+            "done": torch.ones(size, dtype=torch.bool, device=device),
+            "slots": torch.zeros(size, dtype=torch.long, device=device),
+        }
+        tensors = list(bucket.values())
+        if views:
+            bucket["caches"] = [(c.k_cache[:size], c.v_cache[:size]) for c in state["caches"]]
+            tensors += [t for pair in bucket["caches"] for t in pair]
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+            if self.compaction:
+                torch._dynamo.mark_dynamic(t, 0)
+        state["buckets"][size] = bucket
+        return bucket
+
+    def _grouped_everywhere(self, model: nn.Module) -> bool:
+        """Every layer runs the grouped decode step, which can read any window of any bucket."""
+        return self.grouped_attention and all(_groupable(decoding_layer(layer)) for layer in model.layers)
+
+    def _sizes(self, rows: int, grouped: bool) -> List[int]:
+        """The batch buckets, largest first: ``rows`` alone, or halving down to ``min_bucket``."""
+        sizes = [rows]
+        if not (self.compaction and self.draws == "counter" and grouped):
+            return sizes
+        while sizes[-1] > self.min_bucket and -(-sizes[-1] // 2) >= self.min_bucket:
+            sizes.append(-(-sizes[-1] // 2))
+        return sizes
 
     def release(self) -> None:
         """Frees the kept cache and step buffers (the compiled step stays)."""
@@ -369,9 +507,9 @@ class CompiledSampler:
             _attach(attns, state["caches"])
             try:
                 out = self._decode(model, state, logits.repeat_interleave(groups, dim=0), full_mask,
-                                   weight, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                                   pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   generator=generator)
+                                   weight, groups=groups, max_new_tokens=max_new_tokens,
+                                   stop_tokens=stop_tokens, pad_id=pad_id, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, generator=generator)
             finally:
                 _detach(attns)
         finally:
@@ -379,7 +517,7 @@ class CompiledSampler:
             if not (self._use_compile(device) if self.keep_cache is None else self.keep_cache):
                 self._state = None
         out_tokens, out_mask, out_logp, done = out
-        steps = max(int(out_mask.sum(dim=1).max()), 1)
+        steps = max(int(out_mask.sum(dim=1).max()), 1)  # the call's only other host sync
         return Rollout(
             prompt_tokens=tokens.repeat_interleave(groups, dim=0),
             prompt_mask=full_mask,
@@ -390,45 +528,91 @@ class CompiledSampler:
             num_generations=groups,
         )
 
-    def _decode(self, model, state, logits, prompt_mask, weight, *, max_new_tokens, stop_tokens, pad_id,
+    def _decode(self, model, state, logits, prompt_mask, weight, *, groups, max_new_tokens, stop_tokens, pad_id,
                 temperature, top_k, top_p, generator):
-        """The sampling loop: sample from ``logits``, write the outputs, feed the token back."""
+        """The sampling loop: token 0 from the prefill's ``logits``, then one step per token.
+
+        With counter draws the step samples and writes inside the captured graph, and the host
+        only checks every ``sync_every`` steps how many rows are live: it stops when none is and
+        moves the live rows into a smaller bucket when they fit (:meth:`_compact`).
+        """
         device = logits.device
         rows, width = prompt_mask.shape
         step = self._step_fn(device)
         graphs = self._use_compile(device) and device.type == "cuda"
-        tok, pos, col, key_valid = state["tokens"], state["input_pos"], state["col"], state["key_valid"]
-        key_valid.fill_(True)
-        key_valid[:, :width].copy_(prompt_mask)
-        pos.copy_(prompt_mask.sum(dim=1, keepdim=True))
-        col.fill_(width)
-        stops = torch.as_tensor(list(stop_tokens), device=device)
-        pad = torch.full((rows,), pad_id, dtype=torch.long, device=device)
-
-        out_tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        out_mask = torch.zeros((rows, max_new_tokens), dtype=torch.bool, device=device)
-        out_logp = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        for t in range(max_new_tokens):
-            nxt, logp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)
-            live = ~done
-            out_tokens[:, t] = torch.where(live, nxt, pad)
-            out_mask[:, t] = live
-            out_logp[:, t] = torch.where(live, logp, torch.zeros_like(logp))
-            done = done | (live & torch.isin(nxt, stops))
-            if t + 1 == max_new_tokens:
-                break
-            if (t + 1) % self.sync_every == 0 and bool(done.all()):
-                break
-            tok.copy_(out_tokens[:, t:t + 1])
+        counter = self.draws == "counter"
+        grouped = self._grouped_everywhere(model)
+        sizes = self._sizes(rows, grouped)
+        shared = state["shared"]
+        length = state["key"][1]
+        windowed = self.attention_window is not None and grouped
+        bucket = self._bucket(state, rows, views=grouped)
+        # every row starts live, in its own slot; token 0 is written at t = 0
+        bucket["key_valid"].fill_(True)
+        bucket["key_valid"][:, :width].copy_(prompt_mask)
+        bucket["input_pos"].copy_(prompt_mask.sum(dim=1, keepdim=True))
+        bucket["done"].fill_(False)
+        bucket["slots"].copy_(torch.arange(rows, device=device))
+        shared["col"].fill_(width)
+        shared["t"].zero_()
+        shared["out_tokens"].fill_(pad_id)
+        shared["out_mask"].zero_()
+        shared["out_logp"].zero_()
+        vocab = shared["is_stop"].shape[0]
+        shared["is_stop"].zero_()
+        ids = torch.as_tensor([s for s in stop_tokens if 0 <= s < vocab], dtype=torch.long, device=device)
+        shared["is_stop"][ids] = True  # an id outside the vocabulary is never drawn
+        draw = (temperature, top_k, top_p, pad_id)
+        if counter:
+            bucket["keys"].copy_(row_keys(generator, rows // groups, groups, device))
+            _record(bucket, shared, logits, draw)
+        else:
+            _write(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                generator=generator), pad_id)
+        logits = None
+        for t in range(1, max_new_tokens):
+            if t % self.sync_every == 0:
+                live = int((~bucket["done"]).sum())
+                if live == 0:
+                    break
+                smaller = [s for s in sizes if s >= live and s < bucket["done"].shape[0]]
+                if smaller:
+                    bucket = self._compact(state, bucket, min(smaller), pad_id)
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            logits = None  # the previous step's output buffer is about to be overwritten
-            logits = step(model, tok, pos, col, key_valid, weight, self.grouped_attention)
-            pos.add_(1)
-            col.add_(1)
-        return out_tokens, out_mask, out_logp, done
+            columns = None
+            if windowed:  # this step writes column width + t - 1
+                columns = state["columns"][:min(length, -(-(width + t) // self.attention_window) * self.attention_window)]
+                torch._dynamo.mark_static_address(columns)
+                torch._dynamo.maybe_mark_dynamic(columns, 0)
+            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if counter else None, columns)
+            if not counter:
+                _write(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                    generator=generator), pad_id)
+                logits = None  # the step's output buffer is overwritten by the next replay
+        done = (shared["out_mask"] & shared["is_stop"][shared["out_tokens"].clamp(0, vocab - 1)]).any(dim=1)
+        return (shared["out_tokens"][:rows, :max_new_tokens], shared["out_mask"][:rows, :max_new_tokens],
+                shared["out_logp"][:rows, :max_new_tokens], done[:rows])
+
+    def _compact(self, state, bucket, size: int, pad_id: int) -> Dict[str, torch.Tensor]:
+        """Moves the live rows of ``bucket`` (caches, step inputs, keys, output slots) to the first
+        rows of the ``size``-row bucket; its other rows are finished fillers writing to the spare
+        output row. Returns the new bucket."""
+        live = (~bucket["done"]).nonzero().squeeze(1)
+        n = live.numel()
+        new = self._bucket(state, size, views=True)
+        for cache in state["caches"]:
+            cache.k_cache[:n] = cache.k_cache.index_select(0, live)
+            cache.v_cache[:n] = cache.v_cache.index_select(0, live)
+        for name in ("tokens", "input_pos", "key_valid", "keys", "slots"):
+            new[name][:n] = bucket[name].index_select(0, live)
+        new["done"][:n] = False
+        new["done"][n:] = True
+        new["slots"][n:] = state["shared"]["out_tokens"].shape[0] - 1
+        new["tokens"][n:] = pad_id
+        new["input_pos"][n:] = 0
+        new["key_valid"][n:] = True
+        return new
 
 
 _SAMPLERS: "weakref.WeakKeyDictionary[nn.Module, CompiledSampler]" = weakref.WeakKeyDictionary()

@@ -1,5 +1,11 @@
 """Next-token sampling from one row of logits per sequence: temperature, top-k, top-p, greedy.
 
+Two ways to draw: :func:`sample_next` from ``torch.Generator`` streams (``torch.multinomial``), and
+:func:`sample_counter` from a counter-based stream: the uniform behind token ``v`` of row ``r`` at
+step ``t`` is a hash of ``(key[r], t, v)``, so a draw is a pure function of its inputs. It can run
+inside a captured CUDA graph, and a row's tokens depend on its key only, not on the other rows of
+the batch, its place in it, or the rank that samples it.
+
 Random streams: a sampler draws either from one ``torch.Generator`` for the whole batch, or from one
 generator per prompt (:func:`prompt_generators`), each drawing the tokens of its prompt's group only.
 With per-prompt streams a group's completions depend on the seed, the step and the prompt's index,
@@ -88,6 +94,31 @@ def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optiona
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
 
 
+def filter_logits(scaled: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """``scaled`` with ``-inf`` outside the top-k tokens and outside the top-p nucleus.
+
+    Args:
+        scaled (torch.Tensor): ``(B, V)`` tempered fp32 logits.
+        top_k (Optional[int]): keep the k most likely tokens.
+        top_p (Optional[float]): keep the smallest set whose probability reaches ``top_p``.
+
+    Returns:
+        torch.Tensor: ``(B, V)`` logits whose softmax is the distribution to draw from.
+    """
+    filtered = scaled
+    if top_k is not None and top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked strictly above it already reach top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    return filtered
+
+
 def sample_next(
     logits: torch.Tensor,
     *,
@@ -125,17 +156,121 @@ def sample_next(
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled
-    if top_k is not None and top_k < filtered.shape[-1]:
-        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked strictly above it already reach top_p
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)
+    probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
     tokens = _draw(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two xor-shift-multiply rounds) of int64 values in ``[0, 2**32)``.
+
+    The multiplier is below 2**31, so every product fits in int64 and the result is the same on
+    every device and backend (no overflow).
+    """
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) for every ``(row, token)``, a function of ``(keys[row], step, token)`` only.
+
+    Args:
+        keys (torch.Tensor): ``(B,)`` int64 row keys (any 64-bit values).
+        step (torch.Tensor): ``(1,)`` or ``(B,)`` int64 step counter.
+        vocab (int): V.
+
+    Returns:
+        torch.Tensor: ``(B, V)`` fp32 uniforms, 24 random bits each.
+
+    Example:
+        >>> u = counter_uniform(torch.tensor([7, 8]), torch.tensor([0]), 5)
+        >>> bool((u == counter_uniform(torch.tensor([8]), torch.tensor([0]), 5)).all(1)[0])  # row 8 alone
+        False
+    """
+    lo, hi = keys & _MASK32, (keys >> 32) & _MASK32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(step & _MASK32)))
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    bits = _mix32(_mix32((row[:, None] + tokens * 0x9E3779B1) & _MASK32) ^ row[:, None])
+    return ((bits >> 8).float() + 0.5) * (1.0 / 2**24)
+
+
+def sample_counter(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next` with a counter-based draw: Gumbel-max over :func:`counter_uniform`.
+
+    ``argmax(filtered + Gumbel noise)`` is a draw from ``softmax(filtered)``, the distribution
+    :func:`sample_next` draws from; the log-probability is the same (full tempered distribution,
+    ``T = 1`` for greedy). No host sync, no generator state: it can be captured in a CUDA graph.
+
+    Args:
+        logits (torch.Tensor): ``(B, V)`` scores of the next token.
+        keys (torch.Tensor): ``(B,)`` int64 row keys (:func:`row_keys`).
+        step (torch.Tensor): ``(1,)`` int64 step counter (the completion position).
+        temperature, top_k, top_p: as in :func:`sample_next`.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: tokens ``(B,)`` int64 and log-probs ``(B,)`` fp32.
+
+    Example:
+        >>> tok, lp = sample_counter(torch.zeros(2, 4), torch.tensor([1, 2]), torch.tensor([0]))
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    gumbel = -torch.log(-torch.log(counter_uniform(keys, step, logits.shape[-1])))
+    tokens = (filter_logits(scaled, top_k, top_p) + gumbel).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def row_keys(generator: RandomSource, num_prompts: int, num_generations: int,
+             device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """The counter-based stream's key of every row, drawn once per call from ``generator``.
+
+    With one generator per prompt each prompt draws one key and its G rows get ``(key, j)``
+    mixed, so a group's tokens depend on its prompt's stream only (as :func:`sample_next`'s draws
+    do); with one generator (or None: torch's global one) one key is drawn for the batch and mixed
+    with the row index.
+
+    Args:
+        generator (RandomSource): None, a generator, or one generator per prompt.
+        num_prompts (int): P.
+        num_generations (int): G (rows per prompt, contiguous).
+        device: where the keys go.
+
+    Returns:
+        torch.Tensor: ``(P * G,)`` int64 keys.
+
+    Example:
+        >>> a = row_keys(prompt_generators(0, 1, [0, 1]), 2, 4)
+        >>> b = row_keys(prompt_generators(0, 1, [1]), 1, 4)
+        >>> bool((a[4:] == b).all())
+        True
+    """
+    def draw(gen):
+        # a generator draws on its own device; the key is moved afterwards
+        where = gen.device if isinstance(gen, torch.Generator) else "cpu"
+        return torch.randint(0, 2**62, (1,), generator=gen, device=where).to(device)
+
+    check_random_source(generator, num_prompts)
+    if generator is None or isinstance(generator, torch.Generator):
+        base = draw(generator).expand(num_prompts * num_generations)
+        index = torch.arange(num_prompts * num_generations, device=device)
+    else:
+        base = torch.cat([draw(g) for g in generator]).repeat_interleave(num_generations)
+        index = torch.arange(num_generations, device=device).repeat(num_prompts)
+    lo, hi = base & _MASK32, (base >> 32) & _MASK32
+    return (_mix32(hi ^ _mix32(index)) << 31) ^ _mix32(lo ^ _mix32(index + 0x5BD1E995))

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-#: ``run_layer(layer, h) -> h``: how one decoder layer runs inside :func:`last_position_logits`.
-LayerRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+#: ``run_layer(index, layer, h) -> h``: how decoder layer ``index`` runs inside :func:`last_position_logits`.
+LayerRunner = Callable[[int, nn.Module, torch.Tensor], torch.Tensor]
 
 
 def _gathered_fsdp_unit(layer: nn.Module) -> bool:
@@ -87,9 +87,9 @@ def last_position_logits(model: nn.Module, tokens: torch.Tensor, *, input_pos: t
 
         weight = head_weight(model)
     if run_layer is None:
-        def run_layer(layer, h):
+        def run_layer(index, layer, h):
             return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     h = model.tok_embeddings(tokens)
-    for layer in model.layers:
-        h = run_layer(layer, h)
+    for index, layer in enumerate(model.layers):
+        h = run_layer(index, layer, h)
     return F.linear(model.norm(h[:, -1]), weight).float()
