@@ -54,7 +54,7 @@ MIXES = ("uniform", "mix")
 #: x with (1 - exp(-x)) / x = 1/3: a per-step stop probability of x / new_tokens gives completions
 #: whose mean length, capped at new_tokens, is a third of it.
 MIX_RATE = 2.821
-FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "mix", "prompts", "G", "rows",
+FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "options", "mix", "prompts", "G", "rows",
           "prompt_len", "new_tokens", "seconds", "prefill_s", "generated", "mean_len", "tokens_per_s",
           "step_ms", "step_gb", "copy_gbps", "roofline_ms", "roofline_frac", "compile_s", "status"]
 GROUP = 16
@@ -133,8 +133,19 @@ def mix_stop_tokens(vocab, new_tokens, seed=0):
     return perm[:count].tolist()
 
 
-def make_samplers(names, compile, cache_len):
-    """Sampler name -> callable with the eager sampler's signature."""
+def parse_options(text):
+    """``"a=1,b=None,c=False"`` -> ``{"a": 1, "b": None, "c": False}`` (Python literals)."""
+    import ast
+
+    options = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = ast.literal_eval(value.strip())
+    return options
+
+
+def make_samplers(names, compile, cache_len, options=None):
+    """Sampler name -> callable with the eager sampler's signature; ``options`` go to ``compiled``."""
     from logitless.rl.rollout import CompiledSampler, generate
 
     accepted = inspect.signature(CompiledSampler).parameters
@@ -144,7 +155,7 @@ def make_samplers(names, compile, cache_len):
     out = {}
     for name in names:
         if name == "compiled":
-            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len)
+            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **(options or {}))
         elif name == "baseline":
             out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **baseline)
         elif name == "eager":
@@ -271,10 +282,16 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=_ints, default=[512, 2048])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true", help="uncompiled samplers (CPU smoke test)")
+    ap.add_argument("--compiled-options", default="", help="CompiledSampler options of 'compiled', "
+                    "e.g. graph_sampling=False,attention_window=None")
     ap.add_argument("--profile", action="store_true", help="profile the first model, rows and new_tokens only")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_roofline_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models, args.samplers = args.models.split(","), args.samplers.split(",")
+    try:
+        args.compiled_options = parse_options(args.compiled_options)
+    except (ValueError, SyntaxError):
+        ap.error(f"--compiled-options: expected key=value pairs of Python literals, got {args.compiled_options!r}")
     for name in args.models:
         if name not in MODELS:
             ap.error(f"--models: unknown {name!r}, expected some of {list(MODELS)}")
@@ -292,12 +309,13 @@ def main(argv=None):
     device = torch.device(args.device)
     gpu = _gpu_name(device)
     common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=gpu,
-                  torch=torch.__version__, triton=_version("triton"), torchtune=_version("torchtune"))
+                  torch=torch.__version__, triton=_version("triton"), torchtune=_version("torchtune"),
+                  options=" ".join(f"{k}={v}" for k, v in args.compiled_options.items()))
     compile = not args.no_compile
     cache_len = args.prompt_len + max(args.new_tokens)
     if args.profile:
         model = build_model(args.models[0], device)
-        for name, sampler in make_samplers(args.samplers, compile, cache_len).items():
+        for name, sampler in make_samplers(args.samplers, compile, cache_len, args.compiled_options).items():
             print(f"== profile {name}: {args.models[0]} rows={args.rows[0]} new={args.new_tokens[0]}", flush=True)
             profile(model, sampler, args.rows[0], args.prompt_len, args.new_tokens[0], device)
         return 0
@@ -315,7 +333,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         for name in args.models:
             model = build_model(name, device)
-            samplers = make_samplers(args.samplers, compile, cache_len)
+            samplers = make_samplers(args.samplers, compile, cache_len, args.compiled_options)
             for n in args.rows:
                 for new in args.new_tokens:
                     for sname, sampler in samplers.items():

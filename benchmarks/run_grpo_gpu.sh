@@ -7,7 +7,7 @@
 #            completions, every path incl. prompt once; then TRL's GRPOTrainer at the same setting
 #   grid   : bench_grpo.py --update-only over 0.5B/1.5B/7B x G {8,16} x prompt {256,1024} x
 #            completion {512,2048}, one group per micro-batch (issue 6's table)
-#   generation : bench_generation.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
+#   generation : bench_generation_libraries.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
 #   limits : largest G and completion length that fit, ours (update-only search) and TRL (probes)
 #   longgroup : the qwen_grpo recipe with 2 groups of G=16, 1024-token prompts and 1024-token
 #            completions (17408 packed tokens a group, past the dense-mask limit): prompt_sharing
@@ -69,7 +69,7 @@ longgroup)
         echo
     done ;;
 generation)
-    timeout 260 python3 benchmarks/bench_generation.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \
+    timeout 260 python3 benchmarks/bench_generation_libraries.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \
         --new-tokens 512 --prompts 4 --groups 16 --out "$out/generation.csv" 2>&1 | tail -n 14 ;;
 *) echo "unknown section $section" ;;
 esac

@@ -53,3 +53,12 @@ def test_mix_stop_tokens_give_a_third_of_the_maximum_on_average(bench):
 def test_bad_rows_are_refused_naming_the_flag(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "20"])
+
+
+def test_compiled_options_reach_the_sampler(bench):
+    args = bench.parse_args(["--compiled-options", "graph_sampling=False,attention_window=None,min_bucket=4"])
+    assert args.compiled_options == {"graph_sampling": False, "attention_window": None, "min_bucket": 4}
+    sampler = bench.make_samplers(["compiled"], False, 64, args.compiled_options)["compiled"]
+    assert (sampler.graph_sampling, sampler.attention_window, sampler.min_bucket) == (False, None, 4)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compiled-options", "graph_sampling"])

@@ -122,3 +122,14 @@ def test_sample_counter_draws_the_filtered_distribution():
     tok, lp = sample_counter(logits[:3], keys[:3], step, temperature=0)  # greedy: argmax, log-prob at T = 1
     assert tok.tolist() == [0, 0, 0]
     torch.testing.assert_close(lp, torch.log(torch.tensor([0.5, 0.5, 0.5])))
+
+
+def test_sampling_after_the_step_draws_what_sampling_inside_it_draws():
+    model = tiny(2)
+    kw = dict(max_new_tokens=12, stop_tokens=list(range(1, VOCAB, 6)), pad_id=0, num_generations=4, temperature=0.8,
+              top_k=20, generator=prompt_generators(3, 1, range(len(PROMPTS))))
+    inside = CompiledSampler(compile=False, min_bucket=2, sync_every=1)(model, PROMPTS, **kw)
+    kw["generator"] = prompt_generators(3, 1, range(len(PROMPTS)))
+    after = CompiledSampler(compile=False, min_bucket=2, sync_every=1, graph_sampling=False)(model, PROMPTS, **kw)
+    assert torch.equal(inside.completion_tokens, after.completion_tokens)
+    assert torch.equal(inside.completion_mask, after.completion_mask)

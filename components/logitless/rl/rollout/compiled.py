@@ -37,7 +37,7 @@ from torch.nn import functional as F
 
 from logitless.rl.rollout.result import Rollout, left_pad
 from logitless.rl.rollout.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
-                                           sample_counter, sample_next)
+                                           sample_counter, sample_next, token_hashes)
 from logitless.rl.rollout.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
 
 __all__ = ["CompiledSampler", "generate"]
@@ -148,7 +148,8 @@ def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logi
     step's input; ``t`` advances. All in place, no host sync: it runs inside the captured graph."""
     temperature, top_k, top_p, pad_id = draw
     step = shared["t"]
-    nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p)
+    nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p,
+                               token_hash=shared["token_hash"])
     _write(rows, shared, nxt, logp, pad_id)
 
 
@@ -253,6 +254,8 @@ class CompiledSampler:
             (halving down to ``min_bucket``) so finished rows stop costing decode steps; needs
             ``draws="counter"`` and layers the grouped decode step can run (else off).
         min_bucket (int): the smallest bucket compaction moves rows into.
+        graph_sampling (bool): with counter draws, sample inside the compiled step (default);
+            False samples the same draws eagerly after it.
         attention_window (Optional[int]): decode attention reads the cache up to the filled column
             rounded up to a multiple of this (one CUDA graph per window size), not the whole cache;
             None reads the whole cache at every step. Needs the grouped decode step.
@@ -270,7 +273,8 @@ class CompiledSampler:
                  mode: Optional[str] = None, sync_every: int = 16, cache_len_multiple: int = 256,
                  max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
                  grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
-                 min_bucket: int = 8, attention_window: Optional[int] = 256) -> None:
+                 min_bucket: int = 8, attention_window: Optional[int] = 256,
+                 graph_sampling: bool = True) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -301,6 +305,9 @@ class CompiledSampler:
         self.grouped_attention = grouped_attention
         self.attention_window = attention_window
         self.draws = draws
+        if not isinstance(graph_sampling, bool):
+            raise ValueError(f"graph_sampling must be True or False, got {graph_sampling!r}")
+        self.graph_sampling = graph_sampling
         self.compaction = compaction
         self.min_bucket = min_bucket
         self._compiled = None
@@ -349,6 +356,7 @@ class CompiledSampler:
             "out_mask": torch.zeros(rows + 1, length, dtype=torch.bool, device=device),
             "out_logp": torch.zeros(rows + 1, length, dtype=torch.float32, device=device),
             "is_stop": torch.zeros(vocab, dtype=torch.bool, device=device),
+            "token_hash": token_hashes(vocab, device),
         }
         columns = torch.arange(length, device=device)
         state = {
@@ -585,8 +593,12 @@ class CompiledSampler:
                 columns = state["columns"][:min(length, -(-(width + t) // self.attention_window) * self.attention_window)]
                 torch._dynamo.mark_static_address(columns)
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
-            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if counter else None, columns)
-            if not counter:
+            in_graph = counter and self.graph_sampling
+            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns)
+            if counter and not in_graph:
+                _record(bucket, shared, logits, draw)
+                logits = None
+            elif not counter:
                 _write(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                     generator=generator), pad_id)
                 logits = None  # the step's output buffer is overwritten by the next replay

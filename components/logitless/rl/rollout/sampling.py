@@ -175,26 +175,38 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+def token_hashes(vocab: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """``(V,)`` int64 hash of every token id, the per-token input of :func:`counter_uniform`.
+
+    Computed once and passed in as a tensor: inside a compiled kernel an ``arange`` is an int32
+    index, whose arithmetic would differ from int64's.
+    """
+    return _mix32((torch.arange(vocab, device=device, dtype=torch.int64) * 0x61C88647) & _MASK32)
+
+
+def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int,
+                    token_hash: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Uniforms in (0, 1) for every ``(row, token)``, a function of ``(keys[row], step, token)`` only.
 
     Args:
         keys (torch.Tensor): ``(B,)`` int64 row keys (any 64-bit values).
         step (torch.Tensor): ``(1,)`` or ``(B,)`` int64 step counter.
         vocab (int): V.
+        token_hash (Optional[torch.Tensor]): :func:`token_hashes` of ``vocab`` (computed here if None).
 
     Returns:
         torch.Tensor: ``(B, V)`` fp32 uniforms, 24 random bits each.
 
     Example:
         >>> u = counter_uniform(torch.tensor([7, 8]), torch.tensor([0]), 5)
-        >>> bool((u == counter_uniform(torch.tensor([8]), torch.tensor([0]), 5)).all(1)[0])  # row 8 alone
-        False
+        >>> bool((u[1] == counter_uniform(torch.tensor([8]), torch.tensor([0]), 5)[0]).all())  # row 8 alone
+        True
     """
+    if token_hash is None:
+        token_hash = token_hashes(vocab, keys.device)
     lo, hi = keys & _MASK32, (keys >> 32) & _MASK32
-    row = _mix32(lo ^ _mix32(hi ^ _mix32(step & _MASK32)))
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    bits = _mix32(_mix32((row[:, None] + tokens * 0x9E3779B1) & _MASK32) ^ row[:, None])
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(step & _MASK32)))[:, None]
+    bits = _mix32(_mix32(row ^ token_hash[None, :]) ^ row)
     return ((bits >> 8).float() + 0.5) * (1.0 / 2**24)
 
 
@@ -206,6 +218,7 @@ def sample_counter(
     temperature: float = 1.0,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    token_hash: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_next` with a counter-based draw: Gumbel-max over :func:`counter_uniform`.
 
@@ -218,6 +231,7 @@ def sample_counter(
         keys (torch.Tensor): ``(B,)`` int64 row keys (:func:`row_keys`).
         step (torch.Tensor): ``(1,)`` int64 step counter (the completion position).
         temperature, top_k, top_p: as in :func:`sample_next`.
+        token_hash (Optional[torch.Tensor]): :func:`token_hashes` of V, precomputed.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor]: tokens ``(B,)`` int64 and log-probs ``(B,)`` fp32.
@@ -231,7 +245,7 @@ def sample_counter(
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / temperature
     logp = torch.log_softmax(scaled, dim=-1)
-    gumbel = -torch.log(-torch.log(counter_uniform(keys, step, logits.shape[-1])))
+    gumbel = -torch.log(-torch.log(counter_uniform(keys, step, logits.shape[-1], token_hash)))
     tokens = (filter_logits(scaled, top_k, top_p) + gumbel).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
