@@ -104,3 +104,12 @@ def test_former_class_name_fast_generator_is_the_compiled_sampler():
 
     with pytest.warns(FutureWarning, match="FastGenerator is now logitless.rl.rollout.CompiledSampler"):
         assert compiled.FastGenerator is CompiledSampler
+
+
+def test_compiled_sampler_options_pass_through_from_yaml():
+    train, evaluation = build_sampler({"backend": "compiled", "compaction": False, "attention_window": None,
+                                       "draws": "generator", "sync_every": 4}, torch.device("cpu"))
+    for s in (train, evaluation):
+        assert (s.compaction, s.attention_window, s.draws, s.sync_every) == (False, None, "generator", 4)
+    with pytest.raises(ValueError, match="draws must be 'counter' or 'generator', got 'philox'"):
+        build_sampler({"backend": "compiled", "draws": "philox"}, torch.device("cpu"))

@@ -9,7 +9,10 @@ from logitless.rl.rollout.compiled import CompiledSampler
 from logitless.rl.rollout.eager import generate
 
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
-SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy")
+SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy", "compaction", "attention_window",
+                "draws")
+#: The keys passed to :class:`CompiledSampler` as they are.
+_COMPILED_KEYS = ("compile", "max_cache_len", "sync_every", "compaction", "attention_window", "draws")
 BACKENDS = ("auto", "eager", "compiled")
 #: Former backend names, still accepted with a FutureWarning.
 RENAMED_BACKENDS = {"fast": "compiled"}
@@ -89,7 +92,8 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
         options (Dict[str, Any]): ``backend`` (``"auto"``: compiled on CUDA, eager elsewhere |
             ``"eager"`` | ``"compiled"``; ``"fast"`` is its former name), and for ``compiled``:
             ``compile`` (default: on CUDA), ``max_cache_len`` (one cache length, so one compilation,
-            for the whole run) and ``sync_every``.
+            for the whole run), ``sync_every``, ``compaction``, ``attention_window`` (null: the whole
+            cache) and ``draws`` (:class:`CompiledSampler`).
         device (torch.device): where the policy lives.
         sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
             the samplers see that unsharded copy and behave as on one device. Without it they run on
@@ -116,7 +120,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
         backend = "compiled" if device.type == "cuda" and not sharded else "eager"
     if backend == "eager":
         return generate, generate
-    kwargs = {k: options[k] for k in ("compile", "max_cache_len", "sync_every") if options.get(k) is not None}
+    kwargs = {k: options[k] for k in _COMPILED_KEYS if k in options and (options[k] is not None or k == "attention_window")}
     if sharded:
         kwargs["compile"] = False
     return CompiledSampler(**kwargs), CompiledSampler(**kwargs)
