@@ -92,7 +92,7 @@ def _groupable(layer: nn.Module) -> bool:
 
 def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                       col: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       col: Optional[torch.Tensor] = None, window=None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -100,7 +100,8 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     length instead (query head ``h`` reads K/V head ``h // group``, torchtune's order), so SDPA
     reads the cache once; the result is the same attention. With ``cache`` (the first ``B`` rows of
     the layer's cache, as a batch bucket sees them) the new key and value are written at column
-    ``col`` there instead of through ``attn.kv_cache``.
+    ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
+    columns only (all with None).
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -118,9 +119,12 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     if cache is None:
         k, v = attn.kv_cache.update(k, v)
     else:
+        # written into the bucket's cache itself, then read through a narrowed view
         cache[0].index_copy_(2, col, k)
         cache[1].index_copy_(2, col, v)
         k, v = cache
+        if window is not None:
+            k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
     length = mask.shape[-1]
@@ -132,12 +136,12 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                col: Optional[torch.Tensor] = None) -> torch.Tensor:
+                col: Optional[torch.Tensor] = None, window=None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin."""
     layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
-    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col)) + h
+    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window)) + h
     return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
 
 
@@ -182,18 +186,17 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
+    window = None
     if columns is None:
         columns = torch.arange(key_valid.shape[1], device=key_valid.device)
     else:  # attend over the filled window only: the first len(columns) columns of the cache
         # narrow, not a slice: a slice's clamp to the size would specialise the window to it
         window = columns.shape[0]
         key_valid = key_valid.narrow(1, 0, window)
-        if caches:
-            caches = [(k.narrow(2, 0, window), v.narrow(2, 0, window)) for k, v in caches]
     mask = key_valid[:, None, :] & (columns <= col)
 
     def run_layer(index, layer, h):
-        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col)
+        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window)
 
     logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer)
     input_pos.add_(1)
