@@ -349,3 +349,12 @@ def test_attention_window_reads_the_filled_columns_only_and_changes_nothing(monk
     compiled_out = sampler(model, PROMPTS, **kw)
     assert torch.equal(compiled_out.completion_tokens, whole.completion_tokens)
     assert counters["stats"]["unique_graphs"] <= 2  # the window is a dynamic size after its first change
+
+
+def test_compiled_step_samples_a_single_row():
+    torch._dynamo.reset()
+    model = tiny().eval()
+    kw = dict(max_new_tokens=5, stop_tokens=NEVER, pad_id=0, temperature=0)
+    sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16)
+    out = sampler(model, PROMPTS[:1], **kw)
+    assert completions(out) == [naive_greedy(model, PROMPTS[0], 5, NEVER)]

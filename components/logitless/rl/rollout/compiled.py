@@ -6,17 +6,18 @@ reference sampler), four differences in how the work is done:
 1. **Prefill once per group.** The P distinct prompts are prefilled as a batch of P (not P x G);
    each prompt's key/value cache entries are then copied into its G decode rows. A group's rows
    hold identical prompt entries, so decoding is unchanged and the prefill costs G times less.
-2. **Static caches, fixed shapes.** The decode caches are torchtune ``KVCache`` modules of a fixed
-   ``[N, kv_heads, L, head_dim]`` (``N = P x G``, ``L`` = prompt width + new tokens rounded up to
-   ``cache_len_multiple``, or ``max_cache_len``). Every decode step runs the full batch; finished
-   rows keep decoding ``pad_id`` and are masked. All step inputs (token, position, cache column,
-   key mask, head weight) live in persistent buffers updated in place, so the step's shapes and
-   addresses never change and it can be captured as a CUDA graph.
-3. **Compiled decode step.** ``torch.compile`` of the trunk + final norm + head projection of the
-   last position (``mode="reduce-overhead"`` on CUDA: CUDA graphs; one graph, no breaks).
-   Sampling (``rollout.sampling``) runs eagerly on the ``[N, V]`` logits so that a user
-   ``torch.Generator`` is honoured. The loop does not synchronise with the host except for an
-   "all rows finished?" check every ``sync_every`` steps.
+2. **Static caches, a few fixed shapes.** The decode caches are torchtune ``KVCache`` modules of a
+   fixed ``[N, kv_heads, L, head_dim]`` (``N = P x G``, ``L`` = prompt width + new tokens rounded up
+   to ``cache_len_multiple``, or ``max_cache_len``). All step inputs and outputs live in persistent
+   buffers updated in place, so a captured CUDA graph reads and writes them where they are. When
+   rows finish, the live ones move into the next smaller batch bucket (N, N/2, ... rows: the first
+   rows of the same caches), and decode attention reads the filled window of the cache only.
+3. **Compiled decode step, sampling included.** ``torch.compile`` of the trunk + final norm + head
+   projection of the last position + the draw of the next token from a counter-based stream keyed
+   by (row, step, token) and its bookkeeping (``mode="reduce-overhead"`` on CUDA: a CUDA graph per
+   bucket and window; one compilation, no graph break). The host syncs only for the live-row count
+   every ``sync_every`` steps. ``draws="generator"`` samples eagerly with ``torch.multinomial``
+   instead (the eager sampler's draws, without compaction).
 4. **Grouped-query decode attention.** torchtune's attention copies K/V once per query head
    before SDPA (7x the cache for Qwen2.5-0.5B, every layer and step); the decode step instead
    folds the query heads that share a K/V head into SDPA's query axis (same result, the cache is
@@ -400,8 +401,8 @@ class CompiledSampler:
             tensors += [t for pair in bucket["caches"] for t in pair]
         for t in tensors:
             torch._dynamo.mark_static_address(t)
-            if self.compaction:
-                torch._dynamo.mark_dynamic(t, 0)
+            if self.compaction:  # "maybe": dynamo may keep a size it has to specialise (one row)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         state["buckets"][size] = bucket
         return bucket
 
