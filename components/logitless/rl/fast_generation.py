@@ -1,9 +1,6 @@
-"""Former home of :mod:`logitless.rl.rollout.compiled`; importing it from here still works, with a FutureWarning."""
+"""Former home of :mod:`logitless.rl.rollout.compiled`: its names still resolve here, with a FutureWarning."""
 
-import warnings
+from logitless._moved import forward_to
+from logitless.rl.rollout import compiled
 
-from logitless.rl.rollout.compiled import *  # noqa: F401,F403
-from logitless.rl.rollout.compiled import CompiledSampler as FastGenerator  # noqa: F401
-
-warnings.warn("logitless.rl.fast_generation moved to logitless.rl.rollout.compiled; the old path will be removed",
-              FutureWarning, stacklevel=2)
+__getattr__ = forward_to("logitless.rl.fast_generation", compiled)

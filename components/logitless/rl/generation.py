@@ -1,10 +1,11 @@
-"""Former home of :mod:`logitless.rl.rollout.eager` (and of its ``Rollout``, ``left_pad``, ``decoding_layer``); importing it from here still works, with a FutureWarning."""
+"""Former home of :mod:`logitless.rl.rollout.eager` (and of ``decoding_layer`` and ``run_decoding_layer``,
+now in :mod:`logitless.rl.rollout.trunk`): its names still resolve here, with a FutureWarning."""
 
-import warnings
+from logitless._moved import forward_to
+from logitless.rl.rollout import eager, trunk
 
-from logitless.rl.rollout.eager import *  # noqa: F401,F403
-from logitless.rl.rollout.result import Rollout, left_pad  # noqa: F401
-from logitless.rl.rollout.trunk import decoding_layer, run_decoding_layer  # noqa: F401
+_to_eager, _to_trunk = forward_to("logitless.rl.generation", eager), forward_to("logitless.rl.generation", trunk)
 
-warnings.warn("logitless.rl.generation moved to logitless.rl.rollout.eager; the old path will be removed",
-              FutureWarning, stacklevel=2)
+
+def __getattr__(name: str):
+    return _to_trunk(name) if name in ("decoding_layer", "run_decoding_layer") else _to_eager(name)

@@ -1,8 +1,6 @@
-"""Former home of :mod:`logitless.rl.rollout.sampling`; importing it from here still works, with a FutureWarning."""
+"""Former home of :mod:`logitless.rl.rollout.sampling`: its names still resolve here, with a FutureWarning."""
 
-import warnings
+from logitless._moved import forward_to
+from logitless.rl.rollout import sampling
 
-from logitless.rl.rollout.sampling import *  # noqa: F401,F403
-
-warnings.warn("logitless.rl.sampling moved to logitless.rl.rollout.sampling; the old path will be removed",
-              FutureWarning, stacklevel=2)
+__getattr__ = forward_to("logitless.rl.sampling", sampling)
