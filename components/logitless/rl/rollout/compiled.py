@@ -15,7 +15,7 @@ reference sampler), four differences in how the work is done:
 3. **Compiled decode step, sampling included.** ``torch.compile`` of the trunk + final norm + head
    projection of the last position + the draw of the next token from a counter-based stream keyed
    by (row, step, token) and its bookkeeping (``mode="reduce-overhead"`` on CUDA: a CUDA graph per
-   bucket and window; one compilation, no graph break). The host syncs only for the live-row count
+   bucket and window; no graph break). The host syncs only for the live-row count
    every ``sync_every`` steps. ``draws="generator"`` samples eagerly with ``torch.multinomial``
    instead (the eager sampler's draws, without compaction).
 4. **Grouped-query decode attention.** torchtune's attention copies K/V once per query head
@@ -183,7 +183,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     also samples and writes the next token (:func:`_record`) and returns None, else it returns the
     ``(rows, V)`` fp32 logits. Positions and the column advance in place. ``columns`` (the column
     indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
-    its length is a dynamic dimension, so each window size is one more CUDA graph, not a recompile.
+    its length turns dynamic at its first change (one recompilation), after which each window size is
+    one more CUDA graph.
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
