@@ -70,12 +70,17 @@ def _version(name):
 
 
 def build_model(name, device):
-    """A model of the named builder with random weights (bf16 on CUDA, fp32 on CPU)."""
+    """A model of the named builder (``MODELS``) with random weights (bf16 on CUDA, fp32 on CPU)."""
+    return build_dotted(MODELS[name], device)
+
+
+def build_dotted(dotted, device):
+    """A model of the torchtune builder at dotted path ``dotted``, random weights, eval mode, frozen."""
     import importlib
 
     from torchtune.training import set_default_dtype
 
-    module, attr = MODELS[name].rsplit(".", 1)
+    module, attr = dotted.rsplit(".", 1)
     builder = getattr(importlib.import_module(module), attr)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with set_default_dtype(dtype), device:

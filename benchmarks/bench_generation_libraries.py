@@ -38,6 +38,9 @@ import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
+from bench_generation import _version, build_dotted  # noqa: E402
+
 BACKENDS = ["torchtune", "eager", "fast_nocompile", "fast", "hf"]  # the default run
 EXTRA = ["fast_ungrouped"]  # on request (--backends): one more compile per model
 MODELS = {  # name: torchtune builder
@@ -48,31 +51,6 @@ MODELS = {  # name: torchtune builder
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "transformers", "model", "backend", "prompts",
           "G", "rows", "prompt_len", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_torchtune",
           "peak_gib", "compile_s", "generated", "status"]
-
-
-def _version(name):
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:  # not installed: report it, do not fail
-        return "missing"
-
-
-def _build(dotted, device):
-    """A torchtune model of the given builder, random weights, in bf16 on ``device``."""
-    import importlib
-
-    from torchtune.training import set_default_dtype
-
-    module, name = dotted.rsplit(".", 1)
-    builder = getattr(importlib.import_module(module), name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with set_default_dtype(dtype), device:
-        model = builder()
-    with torch.no_grad():  # nn.Embedding's N(0, 1) -> std 0.02 as HF initialises it (bf16-safe)
-        model.tok_embeddings.weight.mul_(0.02)
-    return model.eval().requires_grad_(False)
 
 
 def _hf_model(tt_model, device):
@@ -188,7 +166,7 @@ def bench_model(name, args, device, writer, rows):
     """All prompt lengths and backends for one model."""
     from logitless.rl.rollout.compiled import CompiledSampler as FastGenerator
 
-    model = _build(MODELS[name], device)
+    model = build_dotted(MODELS[name], device)
     vocab = model.tok_embeddings.num_embeddings
     hf = None
     if "hf" in args.backends:

@@ -228,6 +228,13 @@ def _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k
     check_sampling_args(temperature, top_k, top_p)
 
 
+
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= {minimum}, got {value!r}")
+
 class CompiledSampler:
     """Sampler with shared-prompt prefill, static KV caches and a compiled decode step.
 
@@ -284,34 +291,23 @@ class CompiledSampler:
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
             raise ValueError(f"backend must be a torch.compile backend (name or callable), got {backend!r}")
-        if not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if not isinstance(cache_len_multiple, int) or cache_len_multiple < 1:
-            raise ValueError(f"cache_len_multiple must be an int >= 1, got {cache_len_multiple!r}")
-        if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 2):
-            raise ValueError(f"max_cache_len must be None or an int >= 2, got {max_cache_len!r}")
-        self.compile = compile
-        self.backend = backend
-        self.mode = mode
-        self.sync_every = sync_every
-        self.cache_len_multiple = cache_len_multiple
-        self.max_cache_len = max_cache_len
-        if not isinstance(grouped_attention, bool):
-            raise ValueError(f"grouped_attention must be True or False, got {grouped_attention!r}")
         if draws not in ("counter", "generator"):
             raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
-        if not isinstance(compaction, bool):
-            raise ValueError(f"compaction must be True or False, got {compaction!r}")
-        if not isinstance(min_bucket, int) or min_bucket < 2:
-            raise ValueError(f"min_bucket must be an int >= 2, got {min_bucket!r}")
-        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 1):
-            raise ValueError(f"attention_window must be None or an int >= 1, got {attention_window!r}")
+        _check_int("sync_every", sync_every, 1)
+        _check_int("cache_len_multiple", cache_len_multiple, 1)
+        _check_int("max_cache_len", max_cache_len, 2, optional=True)
+        _check_int("min_bucket", min_bucket, 2)
+        _check_int("attention_window", attention_window, 1, optional=True)
+        for name, flag in (("grouped_attention", grouped_attention), ("compaction", compaction),
+                           ("graph_sampling", graph_sampling)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        self.compile, self.backend, self.mode = compile, backend, mode
+        self.sync_every, self.cache_len_multiple, self.max_cache_len = sync_every, cache_len_multiple, max_cache_len
         self.keep_cache = keep_cache
         self.grouped_attention = grouped_attention
         self.attention_window = attention_window
         self.draws = draws
-        if not isinstance(graph_sampling, bool):
-            raise ValueError(f"graph_sampling must be True or False, got {graph_sampling!r}")
         self.graph_sampling = graph_sampling
         self.compaction = compaction
         self.min_bucket = min_bucket
