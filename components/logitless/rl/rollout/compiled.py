@@ -22,6 +22,10 @@ reference sampler), four differences in how the work is done:
    before SDPA (7x the cache for Qwen2.5-0.5B, every layer and step); the decode step instead
    folds the query heads that share a K/V head into SDPA's query axis (same result, the cache is
    read once). ``grouped_attention=False`` keeps torchtune's layers as they are.
+5. **Fewer, larger GEMMs.** The grouped decode step reads the q/k/v weights as one matrix and
+   the MLP's gate/up weights as another (:mod:`logitless.rl.rollout.fused`: a copy refreshed
+   from the model's weights at the start of every call), halving the small launch-bound GEMMs
+   per layer. The prefill runs the model's own layers.
 
 Only ``[rows, V]`` logits of one position ever exist. The caches are attached to the model only
 inside the call and detached on exit, even on error: a torchtune 0.6.1 model with caches set up but
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from logitless.rl.rollout.fused import FusedProjections
 from logitless.rl.rollout.result import Rollout, left_pad
 from logitless.rl.rollout.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
                                            sample_counter, sample_next, token_hashes)
@@ -93,7 +98,8 @@ def _groupable(layer: nn.Module) -> bool:
 
 def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                       col: Optional[torch.Tensor] = None, window=None) -> torch.Tensor:
+                       col: Optional[torch.Tensor] = None, window=None,
+                       qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -102,13 +108,18 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     reads the cache once; the result is the same attention. With ``cache`` (the first ``B`` rows of
     the layer's cache, as a batch bucket sees them) the new key and value are written at column
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
-    columns only (all with None).
+    columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
+    (:class:`FusedProjections`) computes them with one GEMM.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = attn.q_proj(x).view(b, s, heads, dim)
-    k = attn.k_proj(x).view(b, s, kv_heads, dim)
-    v = attn.v_proj(x).view(b, s, kv_heads, dim)
+    if qkv is None:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        q, k, v = F.linear(x, *qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(b, s, heads, dim)
+    k = k.view(b, s, kv_heads, dim)
+    v = v.view(b, s, kv_heads, dim)
     if attn.pos_embeddings is not None:
         q = attn.pos_embeddings(q, input_pos=input_pos)
         k = attn.pos_embeddings(k, input_pos=input_pos)
@@ -137,13 +148,21 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                col: Optional[torch.Tensor] = None, window=None) -> torch.Tensor:
-    """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin."""
+                col: Optional[torch.Tensor] = None, window=None,
+                fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None) -> torch.Tensor:
+    """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
+    ``fused``, the layer's concatenated projections of :class:`FusedProjections`)."""
     layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
-    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window)) + h
-    return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
+    fused = fused or {}
+    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window,
+                                          fused.get("qkv"))) + h
+    x = layer.mlp_norm(h)
+    if "gate_up" not in fused:
+        return h + layer.mlp_scale(layer.mlp(x))
+    gate, up = F.linear(x, *fused["gate_up"]).chunk(2, dim=-1)  # torchtune's FeedForward: w2(act(w1 x) * w3 x)
+    return h + layer.mlp_scale(layer.mlp.w2(layer.mlp.activation(gate) * up))
 
 
 def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logits: torch.Tensor,
@@ -175,7 +194,7 @@ def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: 
 
 def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
                  weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
-                 columns: Optional[torch.Tensor] = None):
+                 columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None):
     """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
     not an int, so the compiled step is the same graph at every column).
 
@@ -184,7 +203,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     ``(rows, V)`` fp32 logits. Positions and the column advance in place. ``columns`` (the column
     indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
     its length turns dynamic at its first change (one recompilation), after which each window size is
-    one more CUDA graph.
+    one more CUDA graph. ``fused`` holds each layer's concatenated projections
+    (:meth:`FusedProjections.layers`; None runs the layers' own).
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -198,7 +218,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     mask = key_valid[:, None, :] & (columns <= col)
 
     def run_layer(index, layer, h):
-        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window)
+        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
+                           fused[index] if fused else None)
 
     logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer)
     input_pos.add_(1)
@@ -271,6 +292,11 @@ class CompiledSampler:
         attention_window (Optional[int]): decode attention reads the cache up to the filled column
             rounded up to a multiple of this (one CUDA graph per window size), not the whole cache;
             None reads the whole cache at every step. Needs the grouped decode step.
+        fused_projections (bool): the grouped decode step computes q/k/v with one GEMM and the
+            MLP's gate/up with another, from concatenated copies of the weights refreshed from the
+            model at the start of every call (:class:`~logitless.rl.rollout.fused.FusedProjections`;
+            plain ``nn.Linear`` projections only, LoRA ones stay separate). Costs one extra copy of
+            those weights while sampling (kept with the cache buffers).
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -286,7 +312,7 @@ class CompiledSampler:
                  max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
                  grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
-                 graph_sampling: bool = True) -> None:
+                 graph_sampling: bool = True, fused_projections: bool = True) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -299,7 +325,7 @@ class CompiledSampler:
         _check_int("min_bucket", min_bucket, 2)
         _check_int("attention_window", attention_window, 1, optional=True)
         for name, flag in (("grouped_attention", grouped_attention), ("compaction", compaction),
-                           ("graph_sampling", graph_sampling)):
+                           ("graph_sampling", graph_sampling), ("fused_projections", fused_projections)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.compile, self.backend, self.mode = compile, backend, mode
@@ -309,6 +335,7 @@ class CompiledSampler:
         self.attention_window = attention_window
         self.draws = draws
         self.graph_sampling = graph_sampling
+        self.fused_projections = fused_projections
         self.compaction = compaction
         self.min_bucket = min_bucket
         self._compiled = None
@@ -415,6 +442,19 @@ class CompiledSampler:
         while sizes[-1] > self.min_bucket and -(-sizes[-1] // 2) >= self.min_bucket:
             sizes.append(-(-sizes[-1] // 2))
         return sizes
+
+    def _fused(self, state, model: nn.Module, grouped: bool) -> Optional[List[Dict]]:
+        """Each layer's concatenated projections, refreshed from the model's current weights; None
+        when fusion is off or the layers do not run the grouped decode step."""
+        if not (self.fused_projections and grouped):
+            return None
+        layers = [decoding_layer(layer) for layer in model.layers]
+        fused = state.get("fused")
+        if fused is None or not fused.matches(layers):
+            state["fused"] = fused = None  # drop the old copy before allocating a new one
+            state["fused"] = fused = FusedProjections(layers)
+        fused.refresh(layers)
+        return fused.layers()
 
     def release(self) -> None:
         """Frees the kept cache and step buffers (the compiled step stays)."""
@@ -551,6 +591,7 @@ class CompiledSampler:
         graphs = self._use_compile(device) and device.type == "cuda"
         counter = self.draws == "counter"
         grouped = self._grouped_everywhere(model)
+        fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)
         shared = state["shared"]
         length = state["key"][1]
@@ -595,7 +636,8 @@ class CompiledSampler:
                 torch._dynamo.mark_static_address(columns)
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
             in_graph = counter and self.graph_sampling
-            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns)
+            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
+                          fused)
             if counter and not in_graph:
                 _record(bucket, shared, logits, draw)
                 logits = None
