@@ -14,8 +14,9 @@ prompt length and number of new tokens, every sampler samples the same prompts t
 
 Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` as a recipe builds it) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
-in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``eager``
-(the reference sampler) is available on request.
+in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
+(``compiled`` with ``fused_projections=False``: separate q/k/v and gate/up GEMMs) and ``eager``
+(the reference sampler) are available on request.
 
 ``--profile`` runs one configuration under ``torch.profiler`` and prints the top kernels by device
 time, the device-busy share of the decode loop (the rest is launch gaps and host work) and the host
@@ -49,7 +50,7 @@ MODELS = {  # name: torchtune builder
     "7b": "torchtune.models.qwen2_5.qwen2_5_7b_instruct",
     "tiny": "logitless.models.qwen2_5_tiny",  # CPU smoke test of this script
 }
-SAMPLERS = ("compiled", "baseline", "eager")
+SAMPLERS = ("compiled", "unfused", "baseline", "eager")
 MIXES = ("uniform", "mix")
 #: x with (1 - exp(-x)) / x = 1/3: a per-step stop probability of x / new_tokens gives completions
 #: whose mean length, capped at new_tokens, is a third of it.
@@ -161,6 +162,9 @@ def make_samplers(names, compile, cache_len, options=None):
     for name in names:
         if name == "compiled":
             out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **(options or {}))
+        elif name == "unfused":  # the compiled sampler with the layers' own projections
+            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len,
+                                        **{**(options or {}), "fused_projections": False})
         elif name == "baseline":
             out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **baseline)
         elif name == "eager":
@@ -205,6 +209,9 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
     for stops in (never, mix_stop_tokens(vocab, new_tokens)):
         sample(sampler, model, prompts, new_tokens, stops, 1)
     prefill_s, _ = timed(lambda: sample(sampler, model, prompts, 1, never, 1), device)
+    fused = (getattr(sampler, "_state", None) or {}).get("fused")
+    if fused is not None:
+        print(f"[{name}] {sampler_name}: concatenated projections hold {fused.nbytes / 2**30:.2f} GiB", flush=True)
     for mix in MIXES:
         row = dict(base, mix=mix, compile_s=round(compile_s, 1) if mix == "uniform" else "")
         try:

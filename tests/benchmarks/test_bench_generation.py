@@ -62,3 +62,9 @@ def test_compiled_options_reach_the_sampler(bench):
     assert (sampler.graph_sampling, sampler.attention_window, sampler.min_bucket) == (False, None, 4)
     with pytest.raises(SystemExit):
         bench.parse_args(["--compiled-options", "graph_sampling"])
+
+
+def test_unfused_sampler_is_the_compiled_one_without_fused_projections(bench):
+    samplers = bench.make_samplers(["compiled", "unfused"], False, 64, {"min_bucket": 4})
+    assert (samplers["compiled"].fused_projections, samplers["unfused"].fused_projections) == (True, False)
+    assert samplers["unfused"].min_bucket == 4

@@ -108,8 +108,10 @@ def test_former_class_name_fast_generator_is_the_compiled_sampler():
 
 def test_compiled_sampler_options_pass_through_from_yaml():
     train, evaluation = build_sampler({"backend": "compiled", "compaction": False, "attention_window": None,
-                                       "draws": "generator", "sync_every": 4}, torch.device("cpu"))
+                                       "draws": "generator", "sync_every": 4, "fused_projections": False},
+                                      torch.device("cpu"))
     for s in (train, evaluation):
-        assert (s.compaction, s.attention_window, s.draws, s.sync_every) == (False, None, "generator", 4)
+        assert (s.compaction, s.attention_window, s.draws, s.sync_every, s.fused_projections) == \
+            (False, None, "generator", 4, False)
     with pytest.raises(ValueError, match="draws must be 'counter' or 'generator', got 'philox'"):
         build_sampler({"backend": "compiled", "draws": "philox"}, torch.device("cpu"))

@@ -10,9 +10,10 @@ from logitless.rl.rollout.eager import generate
 
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
 SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy", "compaction", "attention_window",
-                "draws")
+                "draws", "fused_projections")
 #: The keys passed to :class:`CompiledSampler` as they are.
-_COMPILED_KEYS = ("compile", "max_cache_len", "sync_every", "compaction", "attention_window", "draws")
+_COMPILED_KEYS = ("compile", "max_cache_len", "sync_every", "compaction", "attention_window", "draws",
+                  "fused_projections")
 BACKENDS = ("auto", "eager", "compiled")
 #: Former backend names, still accepted with a FutureWarning.
 RENAMED_BACKENDS = {"fast": "compiled"}
@@ -93,7 +94,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             ``"eager"`` | ``"compiled"``; ``"fast"`` is its former name), and for ``compiled``:
             ``compile`` (default: on CUDA), ``max_cache_len`` (one cache length, so one compilation,
             for the whole run), ``sync_every``, ``compaction``, ``attention_window`` (null: the whole
-            cache) and ``draws`` (:class:`CompiledSampler`).
+            cache), ``draws`` and ``fused_projections`` (:class:`CompiledSampler`).
         device (torch.device): where the policy lives.
         sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
             the samplers see that unsharded copy and behave as on one device. Without it they run on
