@@ -29,7 +29,7 @@ from logitless.rl.advantages import group_advantages
 from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
 from logitless.rl.evaluation import greedy_accuracy
-from logitless.rl.metrics import gather_columns, rollout_metrics
+from logitless.rl.metrics import gather_columns, rollout_metrics, update_flops
 from logitless.rl.policy_sampler import PolicySampler
 from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, step_prompt_indices
 from logitless.rl.reference import build_reference
@@ -42,6 +42,7 @@ from logitless.training.builders import (build_checkpoint_manager, build_model_w
                                          fsdp_options, load_resumed_weights, setup_process, wrap_model)
 from logitless.training.cli import report_errors
 from logitless.training.distributed import launched_world_size
+from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import NonFiniteGuard
 from logitless.training.preflight import check_device
@@ -104,6 +105,8 @@ class GRPORecipe:
         if self.reference is not None and self.reference.model is not self.model:  # a frozen copy: sharded alike
             self.runtime.shard(self.reference.model, **fsdp_options(cfg))
         self.optimizer, self.lr_scheduler = build_optimizer(cfg, self.model)
+        self.flops = DecoderFlops(self.model)  # after wrapping: sees activation checkpointing
+        self.peak_flops = cfg.peak_flops or (peak_bf16_flops(self.device) if cfg.dtype == "bf16" else None)
         self.guard = NonFiniteGuard(cfg.max_consecutive_skipped_steps)
         self.step = 0
         if start.recipe_state is not None:
@@ -179,13 +182,18 @@ class GRPORecipe:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_end = time.perf_counter()
-        n_tokens = float(self.runtime.all_reduce(torch.tensor(
-            float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()), dtype=torch.float64)))
+        n_tokens, flops = self.runtime.all_reduce(torch.tensor(
+            [float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()),
+             update_flops(self.flops, rollout.prompt_mask.sum(1), rollout.completion_lengths, group_size=group_size,
+                          prompt_once=attention is not None, num_iterations=cfg.num_iterations,
+                          reference=self.reference is not None)], dtype=torch.float64)).tolist()
+        utilisation = mfu(flops, t_end - t_gen, self.peak_flops, self.runtime.world_size)
         return {**rollout_metrics(batch_values, lengths, truncated.bool()), **upd,
                 "prompt_sharing": float(attention is not None), "prompt_sharing_flex": float(attention == "flex"),
                 "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
                 "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,
-                "tokens_per_second": n_tokens / (t_end - t0),
+                "tokens_per_second": n_tokens / (t_end - t0), "update_tflop": flops / 1e12,
+                **({} if utilisation is None else {"update_mfu": utilisation}),
                 **busiest_rank_peak_memory_gib(self.device, self.runtime.all_reduce)}
 
     def save(self) -> None:

@@ -40,7 +40,7 @@ def test_cli_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "components"), str(ROOT / "recipes"),
                                                        os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, str(ROOT / "recipes/grpo_single_device.py"), "--config", str(ROOT / "configs/tiny_grpo.yaml"),
-           f"output_dir={tmp_path}", "max_steps=2", *SMALL, "log_completions_every_n_steps=2",
+           f"output_dir={tmp_path}", "max_steps=2", *SMALL, "log_completions_every_n_steps=2", "peak_flops=1.0e12",
            f"checkpointer.checkpoint_dir={ROOT / 'components/logitless/rl/assets/tiny_grpo_warmstart'}"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -52,6 +52,10 @@ def test_cli_end_to_end(tmp_path):
                 "grad_norm", "eval/accuracy"):
         assert key in log, key
     assert sorted(log["reward/mean"]) == [1, 2]
+    # the update's MFU against the given peak: its FLOPs over its time
+    for step in (1, 2):
+        flops, seconds = log["update_tflop"][step] * 1e12, log["time/update_s"][step]
+        assert flops > 0 and log["update_mfu"][step] == pytest.approx(flops / (seconds * 1e12), rel=1e-3)
     assert not [k for k in log if k.startswith("reward/gsm8k")]  # named after the configured reward only
     # the completion table of step 2: in the run folder and in the disk logger's file
     table = read_completions(str(tmp_path / "logs" / "completions.jsonl"))

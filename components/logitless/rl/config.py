@@ -60,6 +60,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                          doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
                                              "stop after this many in a row (null: never)"),
     "enable_activation_checkpointing": Key(bool, default=False),
+    "peak_flops": Key((float, None), default=None, min=1,
+                      doc="peak FLOP/s of one device for update_mfu (null: the table of known GPUs in bf16, "
+                          "logitless.training.flops; a device outside it logs no update_mfu)"),
     "log_every_n_steps": Key(int, default=1, min=1),
     "log_completions_every_n_steps": Key((int, None), default=None, min=1,
                                          doc="completion table (prompt, completion, rewards, advantage) every N steps"),

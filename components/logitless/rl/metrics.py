@@ -1,4 +1,5 @@
-"""The rollout metrics a GRPO step logs: rewards per function, completion lengths, truncation.
+"""The rollout metrics a GRPO step logs: rewards per function, completion lengths, truncation, and
+the model FLOPs of the update (for its MFU).
 
 Computed from the whole step's rollout (on several ranks, from the gathered per-completion values),
 so a data-parallel run logs the same numbers as one device sampling the same completions.
@@ -7,6 +8,8 @@ so a data-parallel run logs the same numbers as one device sampling the same com
 from typing import Callable, Dict
 
 import torch
+
+from logitless.training.flops import DecoderFlops, causal_pairs
 
 
 def rollout_metrics(rewards: Dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -57,3 +60,41 @@ def gather_columns(columns: Dict[str, torch.Tensor], all_gather: Callable[[torch
     names = list(columns)
     table = all_gather(torch.stack([columns[k].float().cpu() for k in names], dim=1))
     return {k: table[:, i] for i, k in enumerate(names)}
+
+
+def update_flops(flops: "DecoderFlops", prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor, *,
+                 group_size: int, prompt_once: bool, num_iterations: int, reference: bool) -> float:
+    """Model FLOPs of one GRPO update (:func:`logitless.rl.update.grpo_update`) on a rollout.
+
+    Counted on the real tokens of each row (padding is not model work), with the convention of
+    :mod:`logitless.training.flops`: ``num_iterations`` forward + backward passes of the policy
+    (the head on the completion positions only, as the response-only head runs), plus one
+    forward-only pass for the old log-probs when ``num_iterations > 1`` and one for the reference
+    log-probs (a frozen copy, or the LoRA policy with its adapters off: counted as the policy's
+    forward). With ``prompt_once`` a group's prompt goes through the layers once and its
+    completions attend to it.
+
+    Args:
+        flops (DecoderFlops): the policy's counts.
+        prompt_lengths (torch.Tensor): ``(N,)`` prompt tokens of each completion's row.
+        completion_lengths (torch.Tensor): ``(N,)`` completion tokens.
+        group_size (int): completions per prompt (G); groups are contiguous rows.
+        prompt_once (bool): the update packs each group's prompt once (prompt sharing).
+        num_iterations (int): optimizer steps on the batch.
+        reference (bool): reference log-probs are computed (KL term).
+
+    Returns:
+        float: FLOPs of the update.
+
+    Example:
+        >>> update_flops(DecoderFlops(model), torch.tensor([4, 4]), torch.tensor([2, 3]), group_size=2,
+        ...              prompt_once=False, num_iterations=1, reference=False)
+    """
+    p = prompt_lengths.long().tolist()
+    c = completion_lengths.long().tolist()
+    prompts = p[::group_size] if prompt_once else p
+    tokens = sum(prompts) + sum(c)
+    pairs = causal_pairs(prompts) + sum(ci * pi + ci * (ci + 1) // 2 for pi, ci in zip(p, c))
+    size = dict(tokens=tokens, head_tokens=sum(c), pairs=pairs)
+    forward_only = int(num_iterations > 1) + int(reference)
+    return num_iterations * flops.training(**size) + forward_only * flops.forward(**size)
