@@ -21,6 +21,10 @@ step, and the peak CUDA memory of the step (weights and optimizer state included
   of squares: both get gradients, no logits exist); the other rows' ``head_update_s`` /
   ``head_update_gib`` are their difference to it (the head's overhead)
 
+``update_tflop`` / ``update_mfu``: the update's model FLOPs and their share of the GPU's peak bf16
+FLOP/s over ``update_s`` (``logitless.training.flops``; blank on a GPU outside its table and for
+``no_head``, which skips the head the count includes).
+
 Every path runs the head on completion positions only (response-only head). ``--G``,
 ``--prompt-len`` and ``--completion-len`` take comma lists: every combination is measured.
 ``--update-only`` skips the sampler (the update's cost does not depend on the sampled token ids:
@@ -54,12 +58,14 @@ sys.path[:0] = [str(ROOT / "components")]
 
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
+from logitless.rl.metrics import update_flops  # noqa: E402
 from logitless.rl.rollout import compiled  # noqa: E402
 from logitless.losses._base import as_head_input  # noqa: E402
 from logitless.rl.rollout import Rollout, generate  # noqa: E402
 from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
+from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops  # noqa: E402
 
 IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "reference", "no_head": "no_head"}
 SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex")}
@@ -174,8 +180,10 @@ def one_step(model, loss_fn, optimizer, cfg, device, seed, prompt_sharing=False,
     t2 = time.perf_counter()
     update_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     assert rollout.completion_tokens.shape[1] == cfg.completion_len
+    flops = update_flops(DecoderFlops(model), rollout.prompt_mask.sum(1), rollout.completion_lengths, group_size=cfg.G,
+                         prompt_once=prompt_sharing, num_iterations=cfg.num_iterations, reference=reference is not None)
     return dict(generation_s=t1 - t0, update_s=t2 - t1, gen_peak=gen_peak, update_peak=update_peak,
-                metrics=metrics)
+                metrics=metrics, update_flops=flops)
 
 
 def shapes(args):
@@ -211,6 +219,11 @@ def measure(model, optimizer, reference, impl_name, cfg, device):
         static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         runs = [one_step(model, loss_fn, optimizer, cfg, device, seed=1 + i, **kw) for i in range(cfg.steps)]
         gen_s, upd_s = min(r["generation_s"] for r in runs), min(r["update_s"] for r in runs)
+        fastest = min(runs, key=lambda r: r["update_s"])
+        # no_head runs no head, so its FLOPs are not the model's: no MFU for it
+        utilisation = None if impl_name == "no_head" else mfu(fastest["update_flops"], upd_s, peak_bf16_flops(device))
+        row.update(update_tflop=round(fastest["update_flops"] / 1e12, 3),
+                   update_mfu="" if utilisation is None else round(utilisation, 3))
         row.update(status="ok", generation_s=round(gen_s, 4), update_s=round(upd_s, 4),
                    step_s=round(gen_s + upd_s, 4), static_gib=gib(static),
                    update_peak_gib=gib(max(r["update_peak"] for r in runs)),
@@ -367,7 +380,8 @@ def main(argv=None):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fields = ["model", "impl", "generator", "status", "generation_s", "update_s", "step_s", "head_update_s",
+    fields = ["model", "impl", "generator", "status", "generation_s", "update_s", "update_tflop", "update_mfu",
+              "step_s", "head_update_s",
               "static_gib", "update_peak_gib", "peak_gib", "head_update_gib", "max_G", "max_completion_len",
               "G", "prompt_len", "completion_len", "micro_batch_size", "prompt_sharing", "beta",
               "num_iterations", "device", "torch"]
