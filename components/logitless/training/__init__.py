@@ -19,6 +19,7 @@ One concern per module:
 - :mod:`~logitless.training.dataloader`: :class:`ResumableSampler`, :func:`build_dataloader`.
 - :mod:`~logitless.training.model`: build in a dtype, load weights naming mismatches, LoRA, AC, compile.
 - :mod:`~logitless.training.progress`: tqdm bar, tokens/s, peak memory.
+- :mod:`~logitless.training.flops`: model FLOPs of forward/backward passes and peak bf16 FLOP/s of known GPUs (MFU).
 - :mod:`~logitless.training.metric_logging`: torchtune metric loggers (DiskLogger by default).
 - :mod:`~logitless.training.sft`: :class:`SFTObjective` (forward + label shift + loss contract).
 - :mod:`~logitless.training.sft_config`: the SFT recipes' config schema and :func:`validate_sft_config`.

@@ -8,6 +8,8 @@
 - :mod:`~logitless.rl.rollout.eager`: :func:`generate`, the reference sampler (one plain forward per token);
 - :mod:`~logitless.rl.rollout.compiled`: :class:`CompiledSampler` (prompt prefilled once per group,
   static KV caches, compiled decode step);
+- :mod:`~logitless.rl.rollout.fused`: :class:`~logitless.rl.rollout.fused.FusedProjections`, the compiled
+  decode step's concatenated q/k/v and gate/up weights (refreshed from the policy every call);
 - :mod:`~logitless.rl.rollout.builder`: :func:`build_sampler`, the choice made by ``generation.backend``.
 
 Example:
