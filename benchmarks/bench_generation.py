@@ -161,7 +161,8 @@ def make_samplers(names, compile, cache_len, options=None):
     out = {}
     for name in names:
         if name == "compiled":
-            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **(options or {}))
+            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len,
+                                        **{"fused_projections": True, **(options or {})})
         elif name == "unfused":  # the compiled sampler with the layers' own projections
             out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len,
                                         **{**(options or {}), "fused_projections": False})

@@ -49,12 +49,13 @@ def test_lora_backward_computes_input_gradients_of_the_frozen_weights():
     assert f.training(tokens=t, head_tokens=head_t, pairs=pairs) == forward + backward
 
 
-def test_activation_checkpointing_recomputes_the_layers_forward():
+def test_activation_checkpointing_recompute_counts_as_hardware_not_model_flops():
     model = qwen2(**_dims(tied=True))
     plain = DecoderFlops(model).training(tokens=10, head_tokens=4, pairs=55)
     set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     layers_forward = 2 * L * _layer_weights() * 10 + 4 * L * HEADS * HD * 55
-    assert DecoderFlops(model).training(tokens=10, head_tokens=4, pairs=55) == plain + layers_forward
+    assert DecoderFlops(model).training(tokens=10, head_tokens=4, pairs=55) == plain  # MFU: model FLOPs
+    assert DecoderFlops(model).training(tokens=10, head_tokens=4, pairs=55, hardware=True) == plain + layers_forward
 
 
 def _packed_pairs(p, cs):

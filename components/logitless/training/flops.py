@@ -15,7 +15,9 @@ Conventions (one multiply-add = 2 FLOPs; the usual ``6 N`` per token of full fin
   trainable one also that of its weight (another ``2 x``): a full fine-tune costs 2x the forward,
   a LoRA one (frozen base weights) about 1x plus the adapters' 2x. Attention's backward is 2x its
   forward.
-* **Activation checkpointing** recomputes the layers' forward (not the head's) during the backward.
+* **Activation checkpointing** recomputes the layers' forward during the backward. That is not
+  work the model needs, so MFU leaves it out (PaLM's definition, what torchtitan and Megatron
+  report); ``training(..., hardware=True)`` adds it (hardware FLOPs, for HFU).
 
 A device outside :data:`PEAK_BF16_FLOPS` has no peak, hence no MFU (the metric is left out rather
 than guessed).
@@ -107,13 +109,17 @@ class DecoderFlops:
         """
         return self._layers_forward(tokens, pairs) + 2 * self.head * head_tokens
 
-    def training(self, *, tokens: float, head_tokens: float, pairs: float) -> float:
-        """FLOPs of one forward + backward pass (+ the layers' recomputation under activation
-        checkpointing); arguments as in :meth:`forward`."""
+    def training(self, *, tokens: float, head_tokens: float, pairs: float, hardware: bool = False) -> float:
+        """FLOPs of one forward + backward pass; arguments as in :meth:`forward`.
+
+        Args:
+            hardware (bool): also count the layers' recomputation under activation checkpointing
+                (the FLOPs the device runs, not the ones the model needs).
+        """
         layers = self.layer_trainable + self.layer_frozen
         backward = (2 * (layers + self.layer_trainable) * tokens + 8 * self.attention_width * pairs
                     + 2 * self.head * head_tokens * (2 if self.head_trainable else 1))
-        recompute = self._layers_forward(tokens, pairs) if self.checkpointed else 0.0
+        recompute = self._layers_forward(tokens, pairs) if hardware and self.checkpointed else 0.0
         return self.forward(tokens=tokens, head_tokens=head_tokens, pairs=pairs) + backward + recompute
 
 

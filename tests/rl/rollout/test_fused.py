@@ -41,7 +41,7 @@ def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, monkeypa
 
 def test_fused_projections_follow_the_weights_after_an_optimizer_step():
     model = tiny().double().eval()
-    sampler = CompiledSampler(compile=False, keep_cache=True)  # buffers (and the fused copy) kept
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=True)  # buffers (and the fused copy) kept
     before = sampler(model, PROMPTS, **GREEDY).sampler_log_probs.clone()  # kept buffers are reused
     copy = sampler._state["fused"]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -295,8 +295,9 @@ class CompiledSampler:
         fused_projections (bool): the grouped decode step computes q/k/v with one GEMM and the
             MLP's gate/up with another, from concatenated copies of the weights refreshed from the
             model at the start of every call (:class:`~logitless.rl.rollout.fused.FusedProjections`;
-            plain ``nn.Linear`` projections only, LoRA ones stay separate). Costs one extra copy of
-            those weights while sampling (kept with the cache buffers).
+            plain ``nn.Linear`` projections only, LoRA ones stay separate). Off by default: it holds
+            one extra copy of those weights (about half the model) for as long as the cache buffers
+            are kept, i.e. through the update too, for about 12% faster decode steps at 1.5B.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -312,7 +313,7 @@ class CompiledSampler:
                  max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
                  grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
-                 graph_sampling: bool = True, fused_projections: bool = True) -> None:
+                 graph_sampling: bool = True, fused_projections: bool = False) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
