@@ -27,6 +27,12 @@ FLOP/s over ``update_s`` (``logitless.training.flops``; blank on a GPU outside i
 
 Every path runs the head on completion positions only (response-only head). ``--G``,
 ``--prompt-len`` and ``--completion-len`` take comma lists: every combination is measured.
+``--compile`` compiles the policy's layers as the recipes' ``compile: True`` does (torchtune's per-layer
+``torch.compile``, after activation checkpointing). ``--profile-update`` runs one more update of each
+row under ``torch.profiler`` (CUDA) and writes where its time went (``benchmarks/kernel_breakdown.py``:
+GEMMs, attention, our head kernels, fused / eager elementwise, optimizer, copies, idle) to
+``--profile-out``, to explain ``update_mfu``.
+
 ``--update-only`` skips the sampler (the update's cost does not depend on the sampled token ids:
 random completions of exactly ``--completion-len`` tokens stand in for them), which makes the grid
 of issue 6 affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
@@ -40,6 +46,8 @@ TRL is measured in the same run only when it is importable (``trl``); otherwise 
     python benchmarks/bench_grpo.py --impls chunked,triton,triton+prompt_once,triton+prompt_once_flex
     python benchmarks/bench_grpo.py --update-only --models 0.5b,1.5b,7b --G 8,16 --prompt-len 256,1024 \
         --completion-len 512,2048 --micro-batch-size G --impls no_head,full_logits,chunked,triton,triton+prompt_once
+    python benchmarks/bench_grpo.py --update-only --models 1.5b,7b --G 8 --micro-batch-size G \
+        --impls triton+prompt_once --profile-update          # + --compile: the same with compiled layers
 """
 
 import argparse
@@ -66,6 +74,10 @@ from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
 from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops  # noqa: E402
+from logitless.training.model import compile_layers  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from kernel_breakdown import CATEGORIES, breakdown, profile_kernels  # noqa: E402
 
 IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "reference", "no_head": "no_head"}
 SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex")}
@@ -204,7 +216,7 @@ def free(device):
 def measure(model, optimizer, reference, impl_name, cfg, device):
     """One row: warm-up step, then ``cfg.steps`` measured steps (minimum time, maximum peak)."""
     impl, shared, attention = parse_impl(impl_name)
-    row = dict(model=cfg.model, impl=impl_name, generator="none" if cfg.update_only else cfg.generator,
+    row = dict(model=cfg.model, impl=impl_name, compile=cfg.compile, generator="none" if cfg.update_only else cfg.generator,
                G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
                micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared),
                prompt_sharing=shared, beta=cfg.beta, num_iterations=cfg.num_iterations,
@@ -228,6 +240,8 @@ def measure(model, optimizer, reference, impl_name, cfg, device):
                    step_s=round(gen_s + upd_s, 4), static_gib=gib(static),
                    update_peak_gib=gib(max(r["update_peak"] for r in runs)),
                    peak_gib=gib(max(max(r["update_peak"], r["gen_peak"]) for r in runs)))
+        if cfg.profile_update and device.type == "cuda":
+            row["profile"] = profile_update(model, loss_fn, optimizer, cfg, device, fastest["update_flops"], **kw)
     except torch.OutOfMemoryError:
         row.update(status="OOM")
     except Exception as e:  # e.g. triton unavailable on CPU, flex without CUDA
@@ -235,6 +249,21 @@ def measure(model, optimizer, reference, impl_name, cfg, device):
     optimizer.zero_grad(set_to_none=True)
     free(device)
     return row
+
+
+def profile_update(model, loss_fn, optimizer, cfg, device, flops, **kw):
+    """One more update (random completions, as ``--update-only``) under ``torch.profiler``: its wall
+    time split by kernel category, in milliseconds, and its MFU over that wall time."""
+    update_cfg = argparse.Namespace(**{**vars(cfg), "update_only": True})
+    kernels, wall_us = profile_kernels(lambda: one_step(model, loss_fn, optimizer, update_cfg, device, seed=99, **kw),
+                                       device)
+    split = breakdown(kernels, wall_us)
+    out = {c: round(split[c] / 1e3, 2) for c in (*CATEGORIES, "idle")}
+    utilisation = mfu(flops, wall_us / 1e6, peak_bf16_flops(device))
+    out.update(wall_ms=round(wall_us / 1e3, 2), kernels=len(kernels),
+               profiled_mfu="" if utilisation is None else round(utilisation, 3),
+               top_kernels="; ".join(f"{name[:60]}={us / 1e3:.1f}" for name, us in split["top"]))
+    return out
 
 
 def add_head_overhead(rows):
@@ -255,18 +284,24 @@ def build_policy(name, args, device, dtype):
 
     model = build_model(name, device, dtype)
     training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    if args.compile:  # after activation checkpointing, as the recipes' wrap_model does
+        compile_layers(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     reference = ReferencePolicy.frozen_copy(model) if args.beta > 0 else None
     return model, optimizer, reference
 
 
-def run_model(name, args, device, dtype, writer):
+def run_model(name, args, device, dtype, writer, profile_writer=None):
     model, optimizer, reference = build_policy(name, args, device, dtype)
     for cfg in shapes(argparse.Namespace(**{**vars(args), "model": name})):
         rows = [measure(model, optimizer, reference, impl_name, cfg, device) for impl_name in args.impls]
         for row in add_head_overhead(rows):
+            profile = row.pop("profile", None)
             print({k: v for k, v in row.items() if k not in ("device", "torch")}, flush=True)
             writer.writerow(row)
+            if profile is not None and profile_writer is not None:
+                print_profile(row, profile)
+                profile_writer.writerow({**{k: row[k] for k in PROFILE_KEYS}, **profile})
     del model, optimizer, reference
     free(device)
 
@@ -342,6 +377,17 @@ def int_list(text: str):
     return [int(x) for x in str(text).split(",") if x]
 
 
+#: The columns of a profile row that name its configuration (the rest is :func:`profile_update`'s).
+PROFILE_KEYS = ("model", "impl", "compile", "G", "prompt_len", "completion_len", "micro_batch_size",
+                "update_s", "update_mfu", "device", "torch")
+
+
+def print_profile(row, profile):
+    parts = " + ".join(f"{c} {profile[c]:.1f}" for c in (*CATEGORIES, "idle") if profile[c] >= 0.05)
+    print(f"update profile {row['model']} {row['impl']} compile={row['compile']}: {profile['wall_ms']:.1f} ms = "
+          f"{parts} (ms; MFU over it {profile['profiled_mfu']})\n    top: {profile['top_kernels']}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="0.5b,1.5b")
@@ -364,6 +410,11 @@ def main(argv=None):
                    help="also find the largest G and completion length that fit (doubling, then bisection)")
     p.add_argument("--max-G", type=int, default=512)
     p.add_argument("--max-completion-len", type=int, default=16384)
+    p.add_argument("--compile", action="store_true", help="compile the policy's layers (the recipes' compile: True)")
+    p.add_argument("--profile-update", action="store_true",
+                   help="profile one more update per row (CUDA): time per kernel category, to --profile-out")
+    p.add_argument("--profile-out", default=None,
+                   help="CSV of the update profiles (default: --out with _profile before .csv)")
     args = p.parse_args(argv)
     args.impls = [i for i in args.impls.split(",") if i]
     for i in args.impls:
@@ -378,20 +429,27 @@ def main(argv=None):
         if G < 2 or mbs < 1 or G % mbs:
             p.error(f"--G must be >= 2 and divisible by --micro-batch-size, got G={G}, micro_batch_size={mbs}")
     device = torch.device(args.device)
+    if args.profile_update and device.type != "cuda":
+        p.error(f"--profile-update profiles CUDA kernels; --device is {args.device!r}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fields = ["model", "impl", "generator", "status", "generation_s", "update_s", "update_tflop", "update_mfu",
+    fields = ["model", "impl", "compile", "generator", "status", "generation_s", "update_s", "update_tflop", "update_mfu",
               "step_s", "head_update_s",
               "static_gib", "update_peak_gib", "peak_gib", "head_update_gib", "max_G", "max_completion_len",
               "G", "prompt_len", "completion_len", "micro_batch_size", "prompt_sharing", "beta",
               "num_iterations", "device", "torch"]
-    with open(args.out, "w", newline="") as f:
+    profile_out = args.profile_out or str(Path(args.out).with_name(Path(args.out).stem + "_profile.csv"))
+    profile_fields = [*PROFILE_KEYS, "wall_ms", *CATEGORIES, "idle", "profiled_mfu", "kernels", "top_kernels"]
+    with open(args.out, "w", newline="") as f, \
+            (open(profile_out, "w", newline="") if args.profile_update else open(os.devnull, "w")) as pf:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         write_row = writer.writerow
         writer.writerow = lambda row: (write_row(row), f.flush())  # rows survive a timeout
+        profile_writer = csv.DictWriter(pf, fieldnames=profile_fields, extrasaction="ignore")
+        profile_writer.writeheader()
         for name in [m for m in args.models.split(",") if m]:
-            run_model(name, args, device, dtype, writer)
+            run_model(name, args, device, dtype, writer, profile_writer)
             f.flush()
             if args.search_limits:
                 search_limits(name, args, device, dtype, writer)

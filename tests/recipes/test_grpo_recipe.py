@@ -252,3 +252,30 @@ def test_chat_dataset_columns_reach_rewards_and_completion_table(tmp_path, monke
             std = group.std()
             want = torch.zeros(4) if std == 0 else (group - group.mean()) / (std + 1e-4)
             assert [r["advantage"] for r in got[4 * g:4 * g + 4]] == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_compiled_layers_train_like_eager_layers(tmp_path, monkeypatch):
+    """``compile: True`` (torchtune's per-layer compile, as the SFT recipes take it) gives the update
+    the same steps as the eager layers; the samplers keep running the layers uncompiled."""
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")  # torchtune's compile_model reads it
+    torch._dynamo.reset()
+    try:
+        common = ("max_steps=2", "save_final_checkpoint=False", "eval_every_n_steps=null")
+        compiled = GRPORecipe(tiny_cfg(tmp_path / "compiled", "compile=true", *common))
+        eager = GRPORecipe(tiny_cfg(tmp_path / "eager", *common))
+        on, off = compiled.run(), eager.run()
+    finally:
+        torch._dynamo.reset()
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    def compiled_layers(recipe):
+        layers = [m for m in recipe.model.modules() if isinstance(m, TransformerSelfAttentionLayer)]
+        return len(layers), sum(getattr(m, "_compiled_call_impl", None) is not None for m in layers)
+
+    n, k = compiled_layers(compiled)
+    assert n > 0 and k == n and compiled_layers(eager)[1] == 0
+    assert [h["step"] for h in on] == [1, 2]
+    for a, b in zip(on, off):
+        assert a["reward/mean"] == b["reward/mean"]  # same samples: the samplers ran the same layers
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key

@@ -60,6 +60,9 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                          doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
                                              "stop after this many in a row (null: never)"),
     "enable_activation_checkpointing": Key(bool, default=False),
+    "compile": Key(bool, default=False,
+                   doc="torch.compile each policy layer for the update (torchtune's per-layer compile); the "
+                       "samplers run the layers uncompiled (the compiled sampler compiles its own decode step)"),
     "peak_flops": Key((float, None), default=None, min=1,
                       doc="peak FLOP/s of one device for update_mfu (null: the table of known GPUs in bf16, "
                           "logitless.training.flops; a device outside it logs no update_mfu)"),

@@ -41,7 +41,8 @@ def run_decoding_layer(layer: nn.Module, h: torch.Tensor, *, mask: torch.Tensor,
     Activation checkpointing is skipped (:func:`decoding_layer`). An FSDP2 unit whose weights are
     gathered for the whole sampling call runs its ``forward`` without FSDP's per-call hooks, which
     would only find the weights gathered and record bookkeeping for a backward that never comes
-    (+35% time per token for Qwen2.5-1.5B on an H200); a sharded unit is called normally.
+    (+35% time per token for Qwen2.5-1.5B on an H200); a sharded unit is called normally. A
+    layer compiled for training (``nn.Module.compile``, the recipes' ``compile: True``) runs uncompiled.
 
     Args:
         layer (nn.Module): a decoder layer (plain, checkpoint-wrapped or an FSDP2 unit).
@@ -53,7 +54,15 @@ def run_decoding_layer(layer: nn.Module, h: torch.Tensor, *, mask: torch.Tensor,
         torch.Tensor: the layer's output.
     """
     inner = decoding_layer(layer)
-    call = inner.forward if _gathered_fsdp_unit(inner) else inner
+    if _gathered_fsdp_unit(inner):
+        call = inner.forward
+    elif getattr(inner, "_compiled_call_impl", None) is not None:
+        # a layer compiled for training (``compile: True``): its graphs are traced for the update's
+        # shapes; sampling calls it uncompiled (hooks kept) rather than tracing prefill and per-token
+        # shapes into the same cache
+        call = inner._call_impl
+    else:
+        call = inner
     return call(h, mask=mask, input_pos=input_pos)
 
 

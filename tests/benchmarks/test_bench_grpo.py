@@ -1,0 +1,92 @@
+"""bench_grpo.py's update profile (kernel categories) and its --compile path, on the CPU."""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark):
+    return load_benchmark("bench_grpo")
+
+
+@pytest.fixture(scope="module")
+def kb(load_benchmark):
+    return load_benchmark("kernel_breakdown")
+
+
+# kernel names as torch.profiler reported them on the H200 (benchmarks/results/*profile*), by hand
+NAMED = {
+    "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NTN": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+    "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+    "triton_tem_fused_flex_attention_0": "attention",
+    "row_stats_kernel": "head",
+    "dlogits_kernel": "head",
+    "merge_slab_kernel": "head",
+    "triton_red_fused__to_copy_mean_pow_rsqrt_0": "fused",
+    "triton_poi_fused__to_copy_add_arange_eq_exp_mul_": "fused",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<at::native::silu_kernel>>": "elementwise",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>":
+        "elementwise",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+    "void at::native::lpnorm_cleanup<float, at::native::NormType::L2>": "optimizer",
+    "Memcpy DtoD (Device -> Device)": "copy",
+    "Memset (Device)": "copy",
+    "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copy",
+    "void at::native::index_elementwise_kernel<128, 4>": "copy",
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "other",
+}
+
+
+@pytest.mark.parametrize("name,expected", sorted(NAMED.items()))
+def test_kernels_fall_in_their_category(kb, name, expected):
+    assert kb.category(name) == expected
+
+
+def test_breakdown_sums_categories_and_counts_overlap_once(kb):
+    kernels = [("nvjet_gemm_a", 0.0, 40.0), ("flash_fwd_kernel", 30.0, 50.0),  # overlap 30..40 (two streams)
+               ("row_stats_kernel", 60.0, 70.0), ("vectorized_elementwise_kernel", 70.0, 75.0),
+               ("nvjet_gemm_a", 80.0, 90.0)]
+    out = kb.breakdown(kernels, wall_us=100.0, top=2)
+    assert out["gemm"] == 50.0 and out["attention"] == 20.0 and out["head"] == 10.0 and out["elementwise"] == 5.0
+    assert out["busy"] == 50.0 + 10.0 + 5.0 + 10.0  # union: 0..50, 60..75, 80..90
+    assert out["idle"] == 100.0 - out["busy"]
+    assert out["top"] == [("nvjet_gemm_a", 50.0), ("flash_fwd_kernel", 20.0)]
+
+
+def test_profile_update_needs_cuda(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "tiny", "--device", "cpu", "--profile-update", "--out", str(tmp_path / "g.csv")])
+    assert "--profile-update" in capsys.readouterr().err
+
+
+def _one_update(bench, compile_layers: bool):
+    torch.manual_seed(0)
+    args = argparse.Namespace(beta=0.0, compile=compile_layers)
+    model, optimizer, reference = bench.build_policy("tiny", args, torch.device("cpu"), torch.float32)
+    loss_fn = bench.make_loss("chunked", 0.0)
+    loss_fn.set_model_output(model)
+    cfg = argparse.Namespace(G=4, prompt_len=8, completion_len=6, update_only=True, generator="eager",
+                             micro_batch_size="2", num_iterations=1)
+    out = bench.one_step(model, loss_fn, optimizer, cfg, torch.device("cpu"), seed=3)
+    return model, out
+
+
+def test_compiled_layers_take_the_same_update(bench, monkeypatch):
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")  # torchtune's compile_model reads it
+    torch._dynamo.reset()
+    eager, out_eager = _one_update(bench, False)
+    compiled, out_compiled = _one_update(bench, True)
+    assert any(getattr(m, "_compiled_call_impl", None) is not None for m in compiled.modules())
+    assert not any(getattr(m, "_compiled_call_impl", None) is not None for m in eager.modules())
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert out_compiled["update_flops"] == out_eager["update_flops"]
+    torch._dynamo.reset()
