@@ -8,16 +8,22 @@ Variants (each measured in its own subprocess, so peaks do not leak between them
                          weight: both get gradients, no logits exist. The baseline of the overheads.
 - ``torchtune_chunked``  torchtune 0.6.1's own path (``full_finetune_single_device``):
                          ``model.set_num_output_chunks(8)`` + ``torchtune.modules.loss.CEWithChunkedOutputLoss``.
+- ``torchtune_chunked_compiled`` the same loss compiled as torchtune's recipes do with ``compile: True``
+                         (``torchtune.training.compile_loss``: the per-chunk upcast + cross-entropy).
 - ``torchtune_plain``    full fp32-upcast logits + ``F.cross_entropy`` (``--plain``; OOMs at long shapes).
 - ``logitless_chunked``  ``logitless.losses.CEWithChunkedOutputLoss`` through ``set_model_output``.
 - ``logitless_fused``    ``logitless.losses.LinearCrossEntropyLoss(impl=--fused-impl)``.
 
 Same model, sequence length, batch, activation checkpointing (on by default) and optimizer
 (``torch.optim.AdamW``, fused on CUDA, bf16 parameters as torchtune's bf16 recipes) for all.
+``--compile`` compiles every variant's layers (torchtune's per-layer ``compile_model``, the rest of
+``compile: True``), so the no-head baseline is compiled too.
 
     python benchmarks/bench_sft.py --model qwen2_5_0_5b --batch 8 --seq 8192
     python benchmarks/bench_sft.py --model qwen2_5_7b --batch 4 --seq 4096 --plain
     python benchmarks/bench_sft.py --model qwen2_5_0_5b --seq 8192 --max-batch   # largest batch per variant
+    python benchmarks/bench_sft.py --model qwen2_5_7b --batch 1 --seq 32768 --compile \
+        --variants no_head,torchtune_chunked_compiled,logitless_fused        # issue 16's SFT target
     python benchmarks/bench_sft.py --quick                                       # tiny model, seconds
 
 Writes ``benchmarks/results/sft_<model>_<device>.csv`` (appends; one row per variant) and prints a table.
@@ -35,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ["no_head", "torchtune_chunked", "logitless_chunked", "logitless_fused"]
+VARIANTS = ["no_head", "torchtune_chunked", "torchtune_chunked_compiled", "logitless_chunked", "logitless_fused"]
 MODELS = {
     "qwen2_5_0_5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
     "qwen2_5_1_5b": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
@@ -59,11 +65,14 @@ def _step_fn(variant: str, model, fused_impl: str, chunks: int):
     """Returns ``f(tokens, labels) -> loss`` for one variant (labels already shifted)."""
     import torch.nn.functional as F
 
-    if variant == "torchtune_chunked":
+    if variant in ("torchtune_chunked", "torchtune_chunked_compiled"):
+        from torchtune import training
         from torchtune.modules.loss import CEWithChunkedOutputLoss as TTChunked
 
         model.set_num_output_chunks(chunks)
         loss_fn = TTChunked(num_output_chunks=chunks)
+        if variant == "torchtune_chunked_compiled":
+            loss_fn = training.compile_loss(loss_fn, verbose=False)
         return lambda t, l: loss_fn(model(t), l)
     if variant == "torchtune_plain":
         def plain(t, l):
@@ -98,6 +107,8 @@ def run_child(a) -> dict:
     model = _build(a.model, device, dtype)
     if a.ac:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    if getattr(a, "compile", False):  # after activation checkpointing, as torchtune's recipes do
+        training.compile_model(model, verbose=False)
     f = _step_fn(a.variant, model, a.fused_impl, a.chunks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     vocab = model.tok_embeddings.num_embeddings
@@ -136,6 +147,8 @@ def _spawn(a, variant: str, batch: int) -> dict:
            "--device", a.device, "--fused-impl", a.fused_impl, "--chunks", str(a.chunks)]
     if not a.ac:
         cmd.append("--no-ac")
+    if a.compile:
+        cmd.append("--compile")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -166,6 +179,25 @@ def _max_batch(a, variant: str) -> int:
     return lo
 
 
+def _add_columns(path: Path, fields) -> list:
+    """The header to append rows under: ``fields`` plus any column the existing CSV has beyond them.
+    An existing CSV lacking some of ``fields`` is rewritten under that header first (the new columns
+    stay empty in its rows), so appended rows line up with their columns."""
+    if not path.exists():
+        return list(fields)
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = list(reader.fieldnames or [])
+        old = list(reader)
+    merged = list(fields) + [c for c in header if c not in fields]
+    if header != merged:
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=merged)
+            w.writeheader()
+            w.writerows(old)
+    return merged
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2_5_0_5b", choices=sorted(MODELS))
@@ -180,6 +212,8 @@ def main() -> None:
     p.add_argument("--fused-impl", default="auto", help="impl of LinearCrossEntropyLoss")
     p.add_argument("--chunks", type=int, default=8, help="output chunks of the chunked losses")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="disable activation checkpointing")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every variant's layers (torchtune's compile_model, as compile: True)")
     p.add_argument("--max-batch", action="store_true", help="also search the largest batch per variant")
     p.add_argument("--max-batch-limit", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="tiny model, batch 2, seq 256, 1 step")
@@ -221,7 +255,8 @@ def main() -> None:
     out = Path(a.out) if a.out else RESULTS / f"sft_{a.model}_{dev_name.replace(' ', '_')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["model", "batch", "seq", "tokens", "variant", "status", "peak_gib", "step_ms", "tokens_per_s",
-              "head_mem_gib", "head_ms", "max_batch", "ac", "dtype", "device", "torch", "date"]
+              "head_mem_gib", "head_ms", "max_batch", "ac", "compile", "dtype", "device", "torch", "date"]
+    fields = _add_columns(out, fields)
     new = not out.exists()
     with open(out, "a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
@@ -229,7 +264,7 @@ def main() -> None:
             w.writeheader()
         for r in rows:
             w.writerow({**r, "model": a.model, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq,
-                        "ac": a.ac, "dtype": a.dtype, "device": dev_name, "torch": torch.__version__,
+                        "ac": a.ac, "compile": a.compile, "dtype": a.dtype, "device": dev_name, "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d %H:%M"), "max_batch": r.get("max_batch", "")})
     print("\n| variant | peak GiB | step ms | head GiB | head ms |\n|---|---|---|---|---|")
     for r in rows:
