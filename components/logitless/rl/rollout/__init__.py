@@ -5,6 +5,8 @@
 - :mod:`~logitless.rl.rollout.result`: :class:`Rollout` (what every sampler returns) and :func:`left_pad`;
 - :mod:`~logitless.rl.rollout.trunk`: the decoder trunk both samplers run (embeddings, layers, final
   norm, head on the last position only);
+- :mod:`~logitless.rl.rollout.prefill`: the prompt prefill both samplers run, in chunks of at most
+  ``prefill_chunk_tokens`` tokens per forward;
 - :mod:`~logitless.rl.rollout.eager`: :func:`generate`, the reference sampler (one plain forward per token);
 - :mod:`~logitless.rl.rollout.compiled`: :class:`CompiledSampler` (prompt prefilled once per group,
   static KV caches, compiled decode step);

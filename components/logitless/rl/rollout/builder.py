@@ -1,5 +1,6 @@
 """Which sampler a GRPO recipe uses, chosen in YAML (``generation.backend``): eager or compiled."""
 
+import functools
 import warnings
 from typing import Any, Callable, Dict, Tuple
 
@@ -7,13 +8,16 @@ import torch
 
 from logitless.rl.rollout.compiled import CompiledSampler
 from logitless.rl.rollout.eager import generate
+from logitless.rl.rollout.prefill import check_prefill_chunk_tokens
 
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
 SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy", "compaction", "attention_window",
-                "draws", "fused_projections")
+                "draws", "fused_projections", "prefill_chunk_tokens")
 #: The keys passed to :class:`CompiledSampler` as they are.
 _COMPILED_KEYS = ("compile", "max_cache_len", "sync_every", "compaction", "attention_window", "draws",
-                  "fused_projections")
+                  "fused_projections", "prefill_chunk_tokens")
+#: The keys whose null is a setting (not "the default").
+_NULLABLE_KEYS = ("attention_window", "prefill_chunk_tokens")
 BACKENDS = ("auto", "eager", "compiled")
 #: Former backend names, still accepted with a FutureWarning.
 RENAMED_BACKENDS = {"fast": "compiled"}
@@ -94,7 +98,9 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             ``"eager"`` | ``"compiled"``; ``"fast"`` is its former name), and for ``compiled``:
             ``compile`` (default: on CUDA), ``max_cache_len`` (one cache length, so one compilation,
             for the whole run), ``sync_every``, ``compaction``, ``attention_window`` (null: the whole
-            cache), ``draws`` and ``fused_projections`` (:class:`CompiledSampler`).
+            cache), ``draws`` and ``fused_projections`` (:class:`CompiledSampler`); for both,
+            ``prefill_chunk_tokens`` (tokens per prefill forward; null: one forward; absent: the
+            samplers' default, :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS`).
         device (torch.device): where the policy lives.
         sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
             the samplers see that unsharded copy and behave as on one device. Without it they run on
@@ -111,6 +117,8 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
         >>> sample, sample_eval = build_sampler({"backend": "eager"}, torch.device("cpu"))
     """
     backend = sampler_backend(options)
+    if "prefill_chunk_tokens" in options:
+        check_prefill_chunk_tokens(options["prefill_chunk_tokens"], "generation.prefill_chunk_tokens")
     if uses_rollout_copy(options, device, sharded=sharded, cpu_offload=cpu_offload):
         sharded = False  # the samplers run on the unsharded copy
     if sharded and options.get("compile"):
@@ -120,8 +128,11 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
     if backend == "auto":
         backend = "compiled" if device.type == "cuda" and not sharded else "eager"
     if backend == "eager":
-        return generate, generate
-    kwargs = {k: options[k] for k in _COMPILED_KEYS if k in options and (options[k] is not None or k == "attention_window")}
+        if "prefill_chunk_tokens" not in options:
+            return generate, generate
+        eager = functools.partial(generate, prefill_chunk_tokens=options["prefill_chunk_tokens"])
+        return eager, eager
+    kwargs = {k: options[k] for k in _COMPILED_KEYS if k in options and (options[k] is not None or k in _NULLABLE_KEYS)}
     if sharded:
         kwargs["compile"] = False
     return CompiledSampler(**kwargs), CompiledSampler(**kwargs)

@@ -6,6 +6,8 @@ reference sampler), four differences in how the work is done:
 1. **Prefill once per group.** The P distinct prompts are prefilled as a batch of P (not P x G);
    each prompt's key/value cache entries are then copied into its G decode rows. A group's rows
    hold identical prompt entries, so decoding is unchanged and the prefill costs G times less.
+   Long prompts are prefilled in chunks of columns, at most ``prefill_chunk_tokens`` tokens per
+   forward (:mod:`logitless.rl.rollout.prefill`).
 2. **Static caches, a few fixed shapes.** The decode caches are torchtune ``KVCache`` modules of a
    fixed ``[N, kv_heads, L, head_dim]`` (``N = P x G``, ``L`` = prompt width + new tokens rounded up
    to ``cache_len_multiple``, or ``max_cache_len``). All step inputs and outputs live in persistent
@@ -41,6 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from logitless.rl.rollout.fused import FusedProjections
+from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
 from logitless.rl.rollout.result import Rollout, left_pad
 from logitless.rl.rollout.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
                                            sample_counter, sample_next, token_hashes)
@@ -230,15 +233,6 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     return None
 
 
-def _prefill_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, P, P)`` causal mask hiding left padding; a padded query row attends to itself only,
-    or SDPA would return NaN for it."""
-    width = prompt_mask.shape[1]
-    eye = torch.eye(width, dtype=torch.bool, device=prompt_mask.device)
-    causal = torch.ones(width, width, dtype=torch.bool, device=prompt_mask.device).tril()
-    return (causal[None] & prompt_mask[:, None, :]) | eye[None]
-
-
 def _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k, top_p) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -298,6 +292,11 @@ class CompiledSampler:
             plain ``nn.Linear`` projections only, LoRA ones stay separate). Off by default: it holds
             one extra copy of those weights (about half the model) for as long as the cache buffers
             are kept, i.e. through the update too, for about 12% faster decode steps at 1.5B.
+        prefill_chunk_tokens (Optional[int]): at most this many tokens (distinct prompts x prompt
+            columns) per prefill forward: long prompts are prefilled in chunks of columns within a
+            memory bound (:func:`~logitless.rl.rollout.prefill.prefill`); default
+            :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS` (8192: smaller
+            prompt batches keep one forward); None = one forward whatever the width.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -313,7 +312,8 @@ class CompiledSampler:
                  max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
                  grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
-                 graph_sampling: bool = True, fused_projections: bool = False) -> None:
+                 graph_sampling: bool = True, fused_projections: bool = False,
+                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -325,6 +325,7 @@ class CompiledSampler:
         _check_int("max_cache_len", max_cache_len, 2, optional=True)
         _check_int("min_bucket", min_bucket, 2)
         _check_int("attention_window", attention_window, 1, optional=True)
+        check_prefill_chunk_tokens(prefill_chunk_tokens)
         for name, flag in (("grouped_attention", grouped_attention), ("compaction", compaction),
                            ("graph_sampling", graph_sampling), ("fused_projections", fused_projections)):
             if not isinstance(flag, bool):
@@ -339,6 +340,7 @@ class CompiledSampler:
         self.fused_projections = fused_projections
         self.compaction = compaction
         self.min_bucket = min_bucket
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._compiled = None
         self._state: Optional[Dict[str, object]] = None
 
@@ -463,14 +465,15 @@ class CompiledSampler:
 
     # --------------------------------------------------------------------------------------- phases
     def _prefill(self, model, attns, tokens, prompt_mask, weight, dtype) -> Tuple[torch.Tensor, list]:
-        """Runs the distinct prompts once; returns last-position logits ``(P, V)`` and their caches."""
+        """Runs the distinct prompts once (in chunks of at most ``prefill_chunk_tokens`` tokens);
+        returns last-position logits ``(P, V)`` and their caches."""
         rows, width = tokens.shape
         caches = _new_caches(attns, rows, width, dtype, tokens.device)
         _attach(attns, caches)
         try:
             positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
-            logits = last_position_logits(model, tokens, input_pos=positions, mask=_prefill_mask(prompt_mask),
-                                          weight=weight)
+            logits = prefill(model, tokens, input_pos=positions, key_valid=prompt_mask,
+                             chunk_tokens=self.prefill_chunk_tokens, weight=weight)
         finally:
             _detach(attns)
         return logits, caches
@@ -697,7 +700,8 @@ def generate(
         model, prompts, max_new_tokens, stop_tokens, pad_id, num_generations, temperature, top_k,
         top_p, generator: as in :func:`logitless.rl.rollout.eager.generate`.
         **options: :class:`CompiledSampler` arguments (``compile``, ``backend``, ``mode``,
-            ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``).
+            ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``,
+            ``prefill_chunk_tokens``, ...).
 
     Returns:
         Rollout: tokens, masks, truncation flags and sampler log-probs.

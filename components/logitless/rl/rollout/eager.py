@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from logitless.rl.rollout.prefill import (DEFAULT_PREFILL_CHUNK_TOKENS, causal_key_mask, check_prefill_chunk_tokens,
+                                          prefill)
 from logitless.rl.rollout.result import Rollout, left_pad
 from logitless.rl.rollout.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
 from logitless.rl.rollout.trunk import last_position_logits
@@ -38,6 +40,7 @@ def generate(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     generator: RandomSource = None,
+    prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
 ) -> Rollout:
     """Samples ``num_generations`` completions for every prompt.
 
@@ -58,6 +61,9 @@ def generate(
         generator (RandomSource): random source on the model's device: one generator, or one per
             prompt (:func:`logitless.rl.rollout.sampling.prompt_generators`) so that a group's completions do
             not depend on the other prompts of the batch.
+        prefill_chunk_tokens (Optional[int]): at most this many tokens (rows x prompt columns) per
+            prefill forward (:func:`logitless.rl.rollout.prefill.prefill`: long prompts run in
+            chunks of columns); None = the whole prompt batch in one forward.
 
     Returns:
         Rollout: tokens, masks, truncation flags and sampler log-probs.
@@ -83,6 +89,7 @@ def generate(
     if len(stop_tokens) == 0:
         raise ValueError("stop_tokens must hold at least one token id (e.g. the tokenizer's eos_id)")
     check_sampling_args(temperature, top_k, top_p)
+    check_prefill_chunk_tokens(prefill_chunk_tokens)
     check_random_source(generator, len(prompts))
     if model.caches_are_setup():
         raise ValueError("the model already has KV caches set up; generate() sets up and deletes its own "
@@ -101,15 +108,7 @@ def generate(
                          f"the model's max_seq_len={limit}; shorten the prompts (max_prompt_tokens) or max_new_tokens")
     key_valid = torch.cat([prompt_mask, torch.ones(n, max_new_tokens, dtype=torch.bool, device=device)], 1)
     positions = (key_valid.long().cumsum(1) - 1).clamp(min=0)
-    cols = torch.arange(total, device=device)
     stops = torch.as_tensor(list(stop_tokens), device=device)
-
-    def mask_rows(start: int, stop: int) -> torch.Tensor:
-        rows = torch.arange(start, stop, device=device)
-        m = key_valid[:, None, :] & (cols[None, None, :] <= rows[None, :, None])
-        # a padded query row must attend somewhere (itself) or SDPA returns NaN
-        return m | (cols[None, None, :] == rows[None, :, None])
-
     out_tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_mask = torch.zeros((n, max_new_tokens), dtype=torch.bool, device=device)
     out_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
@@ -120,7 +119,8 @@ def generate(
     try:
         with local_kv_cache(model, batch_size=n, device=device, dtype=param.dtype,
                             decoder_max_seq_len=total):
-            logits = last_position_logits(model, tokens, input_pos=positions[:, :p], mask=mask_rows(0, p))
+            logits = prefill(model, tokens, input_pos=positions[:, :p], key_valid=key_valid,
+                             chunk_tokens=prefill_chunk_tokens)
             for t in range(max_new_tokens):
                 nxt, logp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                         generator=generator)
@@ -134,7 +134,7 @@ def generate(
                     break
                 col = p + t
                 logits = last_position_logits(model, out_tokens[:, t:t + 1], input_pos=positions[:, col:col + 1],
-                                      mask=mask_rows(col, col + 1))
+                                              mask=causal_key_mask(key_valid, col, col + 1))
     finally:
         model.train(was_training)
     return Rollout(

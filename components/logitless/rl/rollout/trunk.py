@@ -95,10 +95,32 @@ def last_position_logits(model: nn.Module, tokens: torch.Tensor, *, input_pos: t
         from logitless.modules import head_weight
 
         weight = head_weight(model)
+    h = decoder_hidden(model, tokens, input_pos=input_pos, mask=mask, run_layer=run_layer)
+    return F.linear(model.norm(h[:, -1]), weight).float()
+
+
+def decoder_hidden(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor,
+                   run_layer: Optional[LayerRunner] = None) -> torch.Tensor:
+    """Runs the embeddings and every decoder layer (filling the attached KV caches); no final norm, no head.
+
+    Args:
+        model (nn.Module): a torchtune ``TransformerDecoder`` (not a ``torch.compile`` wrapper).
+        tokens (torch.Tensor): ``(B, S)`` token ids.
+        input_pos (torch.Tensor): ``(B, S)`` positions of ``tokens``.
+        mask (torch.Tensor): attention mask as torchtune's layers take it.
+        run_layer (Optional[LayerRunner]): runs one layer on ``h``; None = :func:`run_decoding_layer`
+            with ``mask`` and ``input_pos``.
+
+    Returns:
+        torch.Tensor: ``(B, S, H)`` output of the last layer.
+
+    Example:
+        >>> h = decoder_hidden(model, tokens, input_pos=pos, mask=mask)   # (B, S, H)
+    """
     if run_layer is None:
         def run_layer(index, layer, h):
             return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     h = model.tok_embeddings(tokens)
     for index, layer in enumerate(model.layers):
         h = run_layer(index, layer, h)
-    return F.linear(model.norm(h[:, -1]), weight).float()
+    return h
