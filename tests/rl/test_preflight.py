@@ -35,6 +35,7 @@ def cfg(monkeypatch, tmp_path):
     ({"generation": {"top_p": 0.0}}, r"config key 'generation.top_p': expected null or a number in \(0, 1\], got 0.0"),
     ({"generation": {"top_p": 1.5}}, r"config key 'generation.top_p': .*got 1.5"),
     ({"generation": {"stop_tokens": []}}, r"config key 'generation.stop_tokens': expected a non-empty list"),
+    ({"generation": {"prefill_chunk_tokens": 0}}, r"generation\.prefill_chunk_tokens must be an int >= 1 .*got 0"),
     ({"optimizer": {"lr": -1e-3}}, r"config key 'optimizer.lr': expected a finite number >= 0, got -0.001"),
     ({"on_too_long": "cut"}, r"config key 'on_too_long': expected one of \['truncate', 'drop', 'error'\]"),
 ])

@@ -8,6 +8,8 @@ What it guarantees (each one a known pitfall):
 - only the last position's logits exist at any time (``[N, V]``, projected from the final hidden
   state through the model's head weight): ``[N, T, V]`` logits are never produced, not even for the
   prompt prefill (torchtune's ``generate`` keeps all of them in fp32);
+- the prompt prefill runs in chunks of at most ``prefill_chunk_tokens`` tokens per forward
+  (:mod:`logitless.rl.rollout.prefill`), so long prompts stay within a memory bound;
 - tokens after a stop token are ``pad_id`` and masked out; completions without a stop token are
   flagged ``truncated``;
 - the KV caches live only inside :func:`generate` (``torchtune.modules.common_utils.local_kv_cache``)

@@ -1,6 +1,7 @@
 """The decoder trunk as the samplers run it: embeddings -> layers -> final norm of the last position -> head.
 
-Both samplers (eager and compiled) and their prefills call :func:`last_position_logits`; only the way
+Both samplers (eager and compiled) and their prefills call :func:`last_position_logits` (a chunked
+prefill runs its earlier chunks through :func:`decoder_hidden`: caches filled, no head); only the way
 one layer runs differs (torchtune's layer, or the compiled sampler's grouped-attention twin), so the
 trunk itself exists once.
 """
