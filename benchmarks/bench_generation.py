@@ -273,9 +273,24 @@ def _gpu_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def _table(rows):
-    cols = ["model", "rows", "new_tokens", "mix", "sampler", "tokens_per_s", "mean_len", "step_ms", "roofline_ms",
-            "roofline_frac", "compile_s", "status"]
+def run_metadata(device):
+    """The CSV columns every results row starts with: date (UTC), GPU and the versions that matter."""
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=_gpu_name(device), torch=torch.__version__, triton=_version("triton"),
+                torchtune=_version("torchtune"))
+
+
+def results_csv(stem, gpu):
+    """``benchmarks/results/<stem>_<gpu name>.csv``."""
+    name = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}_{name}.csv")
+
+
+TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "tokens_per_s", "mean_len", "step_ms",
+                 "roofline_ms", "roofline_frac", "compile_s", "status"]
+
+
+def _table(rows, cols=TABLE_COLUMNS):
     width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols)]
     lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
@@ -320,10 +335,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    gpu = _gpu_name(device)
-    common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=gpu,
-                  torch=torch.__version__, triton=_version("triton"), torchtune=_version("torchtune"),
-                  options=" ".join(f"{k}={v}" for k, v in args.compiled_options.items()))
+    common = dict(run_metadata(device), options=" ".join(f"{k}={v}" for k, v in args.compiled_options.items()))
+    gpu = common["gpu"]
     compile = not args.no_compile
     cache_len = args.prompt_len + max(args.new_tokens)
     if args.profile:
@@ -332,8 +345,7 @@ def main(argv=None):
             print(f"== profile {name}: {args.models[0]} rows={args.rows[0]} new={args.new_tokens[0]}", flush=True)
             profile(model, sampler, args.rows[0], args.prompt_len, args.new_tokens[0], device)
         return 0
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"generation_roofline_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
+    out = args.out or results_csv("generation_roofline", gpu)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)

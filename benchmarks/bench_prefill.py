@@ -22,10 +22,8 @@ Example (H200):
 
 import argparse
 import csv
-import datetime
 import gc
 import os
-import re
 import sys
 import time
 import traceback
@@ -33,7 +31,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generation import GROUP, MODELS, _gpu_name, _version, build_model, timed  # noqa: E402
+from bench_generation import GROUP, MODELS, _table, build_model, results_csv, run_metadata, timed  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "prompts", "G", "rows", "prompt_len",
           "chunk_tokens", "prefill_s", "prefill_extra_gib", "prompt_cache_gib", "call_s", "call_peak_gib", "status"]
@@ -120,13 +118,8 @@ def bench(model, name, count, width, chunk_tokens, device):
     return row
 
 
-def _table(rows):
-    cols = ["model", "prompts", "rows", "prompt_len", "chunk_tokens", "prefill_s", "prefill_extra_gib",
-            "prompt_cache_gib", "call_s", "call_peak_gib", "status"]
-    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(width[c]) for c in cols)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
+TABLE_COLUMNS = ["model", "prompts", "rows", "prompt_len", "chunk_tokens", "prefill_s", "prefill_extra_gib",
+                 "prompt_cache_gib", "call_s", "call_peak_gib", "status"]
 
 
 def _ints(text):
@@ -163,11 +156,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    gpu = _gpu_name(device)
-    common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=gpu,
-                  torch=torch.__version__, triton=_version("triton"), torchtune=_version("torchtune"))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"prefill_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
+    common = run_metadata(device)
+    gpu = common["gpu"]
+    out = args.out or results_csv("prefill", gpu)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows = []
     new_file = not os.path.exists(out)
@@ -190,7 +181,7 @@ def main(argv=None):
             _free(device)
     print(f"\n{gpu} | torch {torch.__version__} | triton {common['triton']} | torchtune {common['torchtune']} | "
           f"total {time.perf_counter() - t0:.0f} s | csv {out}")
-    print(_table(rows))
+    print(_table(rows, TABLE_COLUMNS))
     return 0
 
 
