@@ -77,7 +77,7 @@ def measure_prefill(model, prompts, chunk_tokens, device):
                                          decoder_max_seq_len=tokens.shape[1]):
         cache = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache")))
         base = _reset_peak(device)
-        seconds, _ = timed(lambda: prefill(model, tokens, input_pos=positions, key_valid=prompt_mask,
+        seconds, _ = timed(lambda: prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask,
                                            chunk_tokens=chunk_tokens), device)
         extra = _peak_above(device, base)
     return seconds, extra, round(cache / GIB, 3)

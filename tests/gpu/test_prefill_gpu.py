@@ -41,7 +41,7 @@ def prefill_with_peak(model, chunk_tokens):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        logits = prefill(model, tokens, input_pos=positions, key_valid=prompt_mask, chunk_tokens=chunk_tokens)
+        logits = prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask, chunk_tokens=chunk_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     return logits, peak

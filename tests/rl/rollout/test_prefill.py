@@ -14,6 +14,7 @@ from logitless.rl.rollout import CompiledSampler, build_sampler
 from logitless.rl.rollout.eager import generate as eager_generate
 from logitless.rl.rollout.prefill import causal_key_mask, prefill, prefill_chunk_columns
 from logitless.rl.rollout.result import left_pad
+from logitless.rl.rollout.trunk import last_position_logits
 
 VOCAB = 97
 NEVER = [-1]  # a stop id no sampler can produce
@@ -31,15 +32,21 @@ def tiny(tied=True, kv_heads=2, seed=0, dtype=torch.float64):
 
 def run_prefill(model, prompts, chunk_tokens, extra_columns=0):
     """Prefill through torchtune's own caches (length = width + ``extra_columns``, as the eager
-    sampler's); returns the logits, each layer's (k, v) cache copy and its write position."""
+    sampler's); returns the logits, each layer's (k, v) cache copy and its write position.
+    ``chunk_tokens="torchtune"``: one forward writing through torchtune's ``KVCache.update`` and
+    attending over the whole cache, as the samplers prefilled before chunking (the reference)."""
     tokens, prompt_mask = left_pad(prompts, 0)
     rows, width = tokens.shape
-    key_valid = torch.cat([prompt_mask, torch.ones(rows, extra_columns, dtype=torch.bool)], 1)
     positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad(), local_kv_cache(model, batch_size=rows, device=torch.device("cpu"),
                                          dtype=next(model.parameters()).dtype,
                                          decoder_max_seq_len=width + extra_columns):
-        logits = prefill(model, tokens, input_pos=positions, key_valid=key_valid, chunk_tokens=chunk_tokens)
+        if chunk_tokens == "torchtune":
+            key_valid = torch.cat([prompt_mask, torch.ones(rows, extra_columns, dtype=torch.bool)], 1)
+            logits = last_position_logits(model, tokens, input_pos=positions,
+                                          mask=causal_key_mask(key_valid, 0, width))
+        else:
+            logits = prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask, chunk_tokens=chunk_tokens)
         caches = [(layer.attn.kv_cache.k_cache.clone(), layer.attn.kv_cache.v_cache.clone(),
                    int(layer.attn.kv_cache.cache_pos[0])) for layer in model.layers]
     return logits, caches
@@ -50,14 +57,14 @@ def run_prefill(model, prompts, chunk_tokens, extra_columns=0):
 def test_chunked_prefill_equals_one_forward_in_float64(tied, kv_heads, extra_columns):
     model = tiny(tied=tied, kv_heads=kv_heads)
     rows, width = len(PROMPTS), max(map(len, PROMPTS))
-    one_logits, one_caches = run_prefill(model, PROMPTS, None, extra_columns)
+    one_logits, one_caches = run_prefill(model, PROMPTS, "torchtune", extra_columns)
     # the independent oracle: torchtune's own forward of each unpadded prompt, no cache
     with torch.no_grad():
         expected = torch.stack([model(torch.tensor([p]))[0, -1] for p in PROMPTS]).float()
     torch.testing.assert_close(one_logits, expected, rtol=1e-6, atol=1e-6)
     # columns per forward: 1, 3, 4 (does not divide 11), 11 and more (one chunk); fewer tokens than rows: 1
     for chunk_tokens, columns in [(rows, 1), (3 * rows, 3), (4 * rows, 4), (width * rows, width),
-                                  (10 * width * rows, width), (1, 1)]:
+                                  (10 * width * rows, width), (1, 1), (None, width)]:
         assert prefill_chunk_columns(rows, width, chunk_tokens) == columns
         logits, caches = run_prefill(model, PROMPTS, chunk_tokens, extra_columns)
         torch.testing.assert_close(logits, one_logits, rtol=1e-12, atol=1e-12)
@@ -144,35 +151,34 @@ def largest_prefill_allocation(model, rows, width, extra_columns, chunk_tokens):
     tokens = torch.randint(1, VOCAB, (rows, width))
     prompt_mask = torch.ones(rows, width, dtype=torch.bool)
     prompt_mask[1, :7] = False
-    key_valid = torch.cat([prompt_mask, torch.ones(rows, extra_columns, dtype=torch.bool)], 1)
     positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad(), local_kv_cache(model, batch_size=rows, device=torch.device("cpu"), dtype=torch.float64,
                                          decoder_max_seq_len=width + extra_columns):
         recorder = NewStorageBytes()
         with recorder:  # the caches exist before: only what the prefill itself allocates is recorded
-            prefill(model, tokens, input_pos=positions, key_valid=key_valid, chunk_tokens=chunk_tokens)
+            prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask, chunk_tokens=chunk_tokens)
     return recorder.largest
 
 
 def test_chunked_prefill_memory_is_bounded_per_forward_while_one_forward_grows_with_width_squared():
     model = tiny(kv_heads=2)
-    rows, extra, chunk_tokens, elem = 2, 5, 64, 8  # float64
+    rows, extra, chunk_tokens, elem = 2, 5, 64, 8  # float64; the cache has 5 columns more than the prompt
     heads, kv_heads, head_dim, hidden, inter = 4, 2, 8, 32, 64
     ratios = {}
     for width in (256, 1024):
-        length = width + extra  # the cache's columns
-        cache_layer = rows * kv_heads * length * head_dim * elem  # one layer's K (or V) cache
+        prompt_cache = rows * kv_heads * width * head_dim * elem  # the prompt's K (or V) in one layer's cache
         columns = chunk_tokens // rows
-        # what one chunked forward may hold (prefill's docstring): SDPA's additive mask over the cache,
-        # torchtune's K/V copied per query head, the MLP intermediate, the hidden states, fp32 logits
-        bound = max(rows * columns * length * elem, rows * heads * length * head_dim * elem,
+        # what one chunked forward may hold (prefill's docstring), over the filled columns (at most the
+        # width): SDPA's additive mask, torchtune's K/V copied per query head, the MLP intermediate, the
+        # hidden states, fp32 logits of the last position
+        bound = max(rows * columns * width * elem, rows * heads * width * head_dim * elem,
                     rows * columns * inter * elem, rows * columns * hidden * elem, rows * VOCAB * 4)
         chunked = largest_prefill_allocation(model, rows, width, extra, chunk_tokens)
         whole = largest_prefill_allocation(model, rows, width, extra, None)
         assert chunked <= bound
-        assert whole >= rows * width * length  # one forward builds at least a (rows, width, cache) bool mask
+        assert whole >= rows * width * width  # one forward builds at least a (rows, width, width) bool mask
         assert whole > 4 * bound
-        ratios[width] = chunked / cache_layer, whole / cache_layer
+        ratios[width] = chunked / prompt_cache, whole / prompt_cache
     # against the cache: chunked stays a fixed multiple of it, one forward grows with the width
     assert ratios[1024][0] <= ratios[256][0]
     assert ratios[1024][1] >= 3.9 * ratios[256][1]

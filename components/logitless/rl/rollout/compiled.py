@@ -472,7 +472,7 @@ class CompiledSampler:
         _attach(attns, caches)
         try:
             positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
-            logits = prefill(model, tokens, input_pos=positions, key_valid=prompt_mask,
+            logits = prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask,
                              chunk_tokens=self.prefill_chunk_tokens, weight=weight)
         finally:
             _detach(attns)

@@ -121,7 +121,7 @@ def generate(
     try:
         with local_kv_cache(model, batch_size=n, device=device, dtype=param.dtype,
                             decoder_max_seq_len=total):
-            logits = prefill(model, tokens, input_pos=positions[:, :p], key_valid=key_valid,
+            logits = prefill(model, tokens, input_pos=positions[:, :p], prompt_mask=prompt_mask,
                              chunk_tokens=prefill_chunk_tokens)
             for t in range(max_new_tokens):
                 nxt, logp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -4,21 +4,23 @@ A one-shot prefill of ``B`` left-padded prompts of width ``W`` holds, in one for
 tokens of activations and MLP intermediate and a ``(B, W, W)`` attention mask (plus SDPA's working
 memory over it): at 8k-32k-token prompts that forward runs out of memory, or forces small batches,
 while the decode itself would fit. :func:`prefill` runs the prompt columns in consecutive chunks
-instead. Each chunk's forward writes its keys and values into the attached KV caches (torchtune's
-``KVCache.update`` writes at ``cache_pos`` and advances it, so consecutive chunks fill consecutive
-columns of every row) and attends to every earlier column and causally within the chunk, left
-padding hidden (a padded query attends to itself only, or SDPA would return NaN for it). Only the
-last chunk's last position is projected to logits. Both samplers use it: the eager one on its
+instead. Each chunk's forward writes its keys and values at its own columns of the attached
+torchtune ``KVCache`` of every layer (all rows at once) and attends to the filled columns only:
+every earlier column and causally within the chunk, left padding hidden (a padded query attends to
+itself only, or SDPA would return NaN for it). Afterwards the caches write next at column ``W``,
+as after torchtune's own ``KVCache.update`` of the whole prompt. Only the last chunk's last
+position is projected to logits. Both samplers use it: the eager one on its
 ``P x G`` rows, the compiled one on the ``P`` distinct prompts (a group's shared prompt is still
 prefilled once).
 
 Example:
     >>> from torchtune.modules.common_utils import local_kv_cache
     >>> with local_kv_cache(model, batch_size=2, device=dev, dtype=dt, decoder_max_seq_len=width):
-    ...     logits = prefill(model, tokens, input_pos=pos, key_valid=prompt_mask, chunk_tokens=4096)
+    ...     logits = prefill(model, tokens, input_pos=pos, prompt_mask=prompt_mask, chunk_tokens=4096)
 """
 
-from typing import Optional
+import contextlib
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -108,26 +110,57 @@ def causal_key_mask(key_valid: torch.Tensor, start: int, stop: int) -> torch.Ten
     return (key_valid[:, None, :] & (columns <= queries)) | (columns == queries)
 
 
-def prefill(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, key_valid: torch.Tensor,
+class _ChunkCache(nn.Module):
+    """Stands in for a layer's torchtune ``KVCache`` during one prefill chunk: ``update`` writes the
+    chunk's keys and values at columns ``start .. stop-1`` of that cache and returns its first
+    ``stop`` columns, so the chunk attends to the filled columns only, not to the whole cache."""
+
+    def __init__(self, cache: nn.Module, start: int, stop: int) -> None:
+        super().__init__()
+        self.k_cache, self.v_cache, self.start, self.stop = cache.k_cache, cache.v_cache, start, stop
+
+    def update(self, k_val: torch.Tensor, v_val: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self.k_cache[:, :, self.start:self.stop].copy_(k_val)
+        self.v_cache[:, :, self.start:self.stop].copy_(v_val)
+        return self.k_cache[:, :, :self.stop], self.v_cache[:, :, :self.stop]
+
+
+@contextlib.contextmanager
+def _chunk_caches(attns: List[nn.Module], start: int, stop: int) -> Iterator[None]:
+    """Points every attention module at its cache's chunk ``start .. stop-1`` for one forward."""
+    caches = [attn.kv_cache for attn in attns]
+    try:
+        for attn, cache in zip(attns, caches):
+            attn.kv_cache = _ChunkCache(cache, start, stop)
+        yield
+    finally:
+        for attn, cache in zip(attns, caches):
+            attn.kv_cache = cache
+
+
+def prefill(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, prompt_mask: torch.Tensor,
             chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
             weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Runs left-padded prompts through the model's attached KV caches in chunks of columns.
+    """Runs left-padded prompts into the model's attached KV caches in chunks of columns.
 
     Every forward holds all ``B`` rows and ``c = prefill_chunk_columns(B, W, chunk_tokens)``
-    columns, so per forward: ``B x c <= max(chunk_tokens, B)`` tokens of activations and MLP
-    intermediate, a ``(B, c, L)`` mask (``L``: cache length) and, where SDPA materialises them
-    (its math backend), ``(B, heads, c, L)`` attention scores; a one-shot prefill holds ``c = W``.
-    What chunking does not change: the caches themselves, and torchtune's attention copying a
-    layer's cached K/V once per query head for each forward (``heads / kv_heads`` times that
-    layer's cache, freed after the layer).
+    columns, and attends to the filled columns ``0 .. stop-1`` of the cache only. Per forward:
+    ``B x c <= max(chunk_tokens, B)`` tokens of activations and MLP intermediate, a
+    ``(B, c, stop)`` mask and, where SDPA materialises them (its math backend), ``(B, heads, c,
+    stop)`` attention scores; a one-shot prefill holds ``c = stop = W``. Causal attention over the
+    filled columns also does half the one-shot prefill's attention work (which scores every
+    query against every column, masked or not). What chunking does not change: the caches
+    themselves, and torchtune's attention copying the filled K/V once per query head in each
+    forward (at most ``heads / kv_heads`` times one layer's prompt cache, freed after the layer).
 
     Args:
         model (nn.Module): a torchtune ``TransformerDecoder`` whose attention modules have KV caches
-            attached and enabled, written from column 0 (``cache_pos`` starting at 0).
+            (torchtune ``KVCache``, at least ``W`` columns) attached, enabled and empty
+            (``cache_pos`` at 0); on return they hold the prompt in columns ``0 .. W-1`` and write
+            next at column ``W``.
         tokens (torch.Tensor): ``(B, W)`` left-padded prompt ids.
         input_pos (torch.Tensor): ``(B, W)`` their positions.
-        key_valid (torch.Tensor): ``(B, L)`` bool, ``L >= W`` the caches' length: the prompt's
-            padding mask in columns ``< W`` (later columns are never attended by the prompt).
+        prompt_mask (torch.Tensor): ``(B, W)`` bool, False at left padding.
         chunk_tokens (Optional[int]): at most this many tokens (rows x columns) per forward
             (:data:`DEFAULT_PREFILL_CHUNK_TOKENS`); None = one forward, as a plain prefill.
         weight (Optional[torch.Tensor]): ``(V, H)`` head weight; None = ``logitless.modules.head_weight``.
@@ -136,21 +169,35 @@ def prefill(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, 
         torch.Tensor: ``(B, V)`` fp32 logits of the last prompt column.
 
     Raises:
-        ValueError: a bad ``chunk_tokens``, or a ``key_valid`` narrower than the prompts.
+        ValueError: a bad ``chunk_tokens``, a ``prompt_mask`` of another shape than ``tokens``, or a
+            model without KV caches attached.
 
     Example:
-        >>> logits = prefill(model, tokens, input_pos=pos, key_valid=prompt_mask, chunk_tokens=8192)
+        >>> logits = prefill(model, tokens, input_pos=pos, prompt_mask=prompt_mask, chunk_tokens=8192)
     """
+    from torchtune.modules import MultiHeadAttention
+
     check_prefill_chunk_tokens(chunk_tokens)
     rows, width = tokens.shape
-    if key_valid.shape[0] != rows or key_valid.shape[1] < width:
-        raise ValueError(f"key_valid: expected ({rows}, >= {width}) for prompts of shape {tuple(tokens.shape)}, "
-                         f"got {tuple(key_valid.shape)}")
+    if prompt_mask.shape != tokens.shape:
+        raise ValueError(f"prompt_mask: expected the shape of tokens {tuple(tokens.shape)}, "
+                         f"got {tuple(prompt_mask.shape)}")
+    attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention) and m.kv_cache is not None
+             and m.cache_enabled]
+    if not attns:
+        raise ValueError("model: no KV caches attached and enabled; prefill writes the prompt into them "
+                         "(set them up first, e.g. with torchtune.modules.common_utils.local_kv_cache)")
     step = prefill_chunk_columns(rows, width, chunk_tokens)
-    for start in range(0, width - step, step):  # every chunk but the last: caches only, no head
-        stop = start + step
-        decoder_hidden(model, tokens[:, start:stop], input_pos=input_pos[:, start:stop],
-                       mask=causal_key_mask(key_valid, start, stop))
-    start = (width - 1) // step * step
-    return last_position_logits(model, tokens[:, start:], input_pos=input_pos[:, start:],
-                                mask=causal_key_mask(key_valid, start, width), weight=weight)
+    last = (width - 1) // step * step
+    for start in range(0, width, step):
+        stop = min(start + step, width)
+        mask = causal_key_mask(prompt_mask[:, :stop], start, stop)
+        with _chunk_caches(attns, start, stop):
+            if start < last:  # caches only: no norm, no head
+                decoder_hidden(model, tokens[:, start:stop], input_pos=input_pos[:, start:stop], mask=mask)
+            else:
+                logits = last_position_logits(model, tokens[:, start:], input_pos=input_pos[:, start:], mask=mask,
+                                              weight=weight)
+    for attn in attns:
+        attn.kv_cache.cache_pos.add_(width)  # where torchtune's KVCache.update writes next: column W
+    return logits
