@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "causal_key_mask", "check_prefill_chu
 #: Tokens (rows x prompt columns) per prefill forward unless set otherwise. At 8192 tokens a
 #: forward's GEMMs are compute-bound on a GPU (a 1.5B model's weights are read once per 8192
 #: tokens), so chunking costs little time, and the per-forward working memory stays small (7B:
-#: about 0.9 GiB of MLP intermediate in bf16, and a mask of 8192 x cache-length bytes) next to
+#: about 0.9 GiB of MLP intermediate in bf16, and a mask of 8192 x prompt-width bytes) next to
 #: the KV cache of a long prompt. Prompt batches up to 8192 tokens, e.g. configs/qwen_grpo.yaml's
 #: 8 prompts of at most 512 tokens prefilled once per group, keep their single forward and their
 #: numbers.
