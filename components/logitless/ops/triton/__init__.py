@@ -7,7 +7,11 @@ This package's public names; the code lives in its modules:
 * :mod:`~logitless.ops.triton.token_objective` -- :func:`linear_token_objective`;
 * :mod:`~logitless.ops.triton.ops` -- the ``torch.library`` custom ops and their autograd;
 * :mod:`~logitless.ops.triton.head` -- the host side (tiling, workspaces, GEMM + epilogue schedule);
-* :mod:`~logitless.ops.triton.kernels` -- the Triton epilogue kernels.
+* :mod:`~logitless.ops.triton.kernels` -- the Triton epilogue kernels;
+* :mod:`~logitless.ops.triton.decode_attention` -- :func:`decode_attention`, split-K attention of one
+  new token per row over a static KV cache (the compiled sampler's decode step), its kernels and
+  its ``torch.library`` op (the package attribute of that name is the function; import the module
+  with ``importlib.import_module`` to reach its other names).
 
 Example:
     >>> import torch
@@ -18,8 +22,10 @@ Example:
     >>> T.linear_cross_entropy(h, w, y, ignore_index=-100, reduction="mean", temperature=1.0).backward()
 """
 
+from logitless.ops.triton.decode_attention import decode_attention, decode_attention_reference
 from logitless.ops.triton.functional import linear_cross_entropy, linear_log_probs
 from logitless.ops.triton.head import chunk_rows
 from logitless.ops.triton.token_objective import linear_token_objective
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "chunk_rows"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "chunk_rows", "decode_attention",
+           "decode_attention_reference"]

@@ -1,0 +1,334 @@
+"""Split-K (flash-decoding) attention of one new query token per row over a static KV cache.
+
+The compiled sampler's decode step attends one new token per row to a cache of fixed length ``L``
+of which only the first ``n_filled`` columns hold keys. SDPA's decode kernels stream a row's whole
+window in one program, so their time follows the window, not the rows or the filled length. Here
+the cache is cut into splits of ``split_len`` columns, on a grid that depends on the shapes only:
+
+* ``decode_partial_kernel``, grid ``(B, Hkv, num_splits)``: one program per (row, K/V head,
+  split) reads its split's keys and values once for all ``G`` query heads that share the K/V head
+  (torchtune's order: query head ``h`` reads K/V head ``h // G``), up to ``n_filled`` only, and
+  keeps an fp32 online softmax: the running max ``m``, the sum ``l`` of ``exp(s - m)`` and the
+  weighted sum ``acc`` of the values. A split that starts at or beyond ``n_filled`` loads nothing
+  and writes an empty partial (``m = -inf``, ``l = 0``, ``acc = 0``).
+* ``decode_merge_kernel``, grid ``(B, Hq)``: merges the non-empty splits of a query head into
+  ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA gives for a
+  fully masked row.
+
+``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
+no sync, and one CUDA graph serves every step. The op ``logitless::decode_attention`` is an opaque
+``torch.library`` custom op (a ``triton_op`` would let inductor see the kernels, but its traceable
+wrapper does not take the interpreter's kernels, so CPU tests could not compile it): ``torch.compile``
+captures it in the decode step without a graph break. Off CUDA it runs :func:`decode_attention_reference`
+(plain PyTorch) unless the Triton interpreter is requested (``TRITON_INTERPRET=1``, how the tests run
+the kernels on CPU tensors).
+
+The launch parameters (split length, ``BLOCK_N``, warps) are sensible guesses for an H200 at
+Qwen2.5 shapes (head_dim 64 and 128, caches up to a few thousand columns), not measured choices.
+
+Example:
+    >>> q = torch.randn(8, 14, 64, device="cuda", dtype=torch.bfloat16)          # (B, Hq, D)
+    >>> k = torch.randn(64, 2, 1536, 64, device="cuda", dtype=torch.bfloat16)    # a bigger cache
+    >>> v = torch.randn_like(k)
+    >>> valid = torch.ones(64, 1536, dtype=torch.bool, device="cuda")
+    >>> n = torch.tensor([1100], device="cuda")
+    >>> out = decode_attention(q, k[:8], v[:8], valid[:8], n)                      # (8, 14, 64)
+"""
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["decode_attention", "decode_attention_reference", "default_split_len"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Columns per inner-loop block of a split.
+BLOCK_N = 64
+#: Warps per program of the partial kernel.
+NUM_WARPS = 4
+#: Bounds of the automatic split length (columns).
+MIN_SPLIT, MAX_SPLIT = 64, 512
+#: Programs per SM the automatic split length aims at for a full cache.
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, valid_ptr, n_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_mb, stride_ml,
+    L, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_DOT: tl.constexpr,
+):
+    """Grid ``(B, Hkv, NUM_SPLITS)``: the online-softmax partial of columns
+    ``[split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V head.
+
+    Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
+    and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
+    interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_ok = ((g < G) & (start + 0 * g < end))[:, None] & d_ok[None, :]  # an empty split loads nothing
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_ok, other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    valid_base = valid_ptr + b * stride_mb
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    cols0 = tl.arange(0, BLOCK_N)
+    for c in range(start, end, BLOCK_N):
+        cols = c + cols0
+        inside = cols < end
+        ok = inside & (tl.load(valid_base + cols.to(tl.int64) * stride_ml, mask=inside, other=0) != 0)
+        tile = ok[:, None] & d_ok[None, :]  # masked keys are never read: they may hold anything
+        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kl + d[None, :] * stride_kd, mask=tile, other=0.0)
+        if WIDE_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) before any valid key
+        alpha = tl.exp(m_i - ref)
+        p = tl.exp(s - ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vl + d[None, :] * stride_vd, mask=tile, other=0.0)
+        p_in = p.to(v.dtype)  # rounded like the inputs, as flash attention's P @ V
+        if WIDE_DOT:
+            pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p_in, v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + split  # (B, Hkv, NUM_SPLITS, G_PAD[, D_PAD])
+    tl.store(m_ptr + part * G_PAD + g, m_i)
+    tl.store(l_ptr + part * G_PAD + g, l_i)
+    tl.store(acc_ptr + (part * G_PAD + g)[:, None] * D_PAD + d[None, :], acc)
+
+
+@triton.jit
+def decode_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, n_ptr, out_ptr, stride_ob, stride_oh, stride_od, L,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_LEN: tl.constexpr,
+):
+    """Grid ``(B, Hq)``: merges the non-empty split partials of one query head into its output."""
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    h = hq // G
+    g = hq % G
+    n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
+    used = tl.cdiv(n, SPLIT_LEN)  # the splits past n_filled are empty: not read
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_ok = s < used
+    row = ((b * (tl.num_programs(1) // G) + h) * NUM_SPLITS + s) * G_PAD + g
+    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp(m - ref)  # 0 for an empty split (m = -inf)
+    total = tl.sum(w * l, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # no valid key: 0
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132) -> int:
+    """The split length when none is given: about ``PROGRAMS_PER_SM`` programs per SM over a full
+    cache, a power of two in ``[MIN_SPLIT, MAX_SPLIT]``.
+
+    Few rows (a compacted bucket) get short splits, so that their work still spreads over the GPU;
+    many rows get long ones, so that fewer partials are written and merged.
+
+    Args:
+        rows (int): B.
+        kv_heads (int): Hkv.
+        length (int): the cache length L.
+        num_sms (int): streaming multiprocessors of the GPU (an H200 has 132).
+
+    Returns:
+        int: columns per split.
+
+    Example:
+        >>> default_split_len(64, 2, 1536), default_split_len(8, 2, 1536)
+        (256, 64)
+    """
+    target = rows * kv_heads * length / (PROGRAMS_PER_SM * num_sms)
+    split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
+    return max(MIN_SPLIT, min(MAX_SPLIT, split))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
+                               scale: float) -> Tensor:
+    """The same attention in plain PyTorch (fp32 softmax, shapes independent of ``n_filled``).
+
+    Args:
+        q (Tensor): ``(B, Hq, D)``.
+        k (Tensor): ``(B, Hkv, L, D)``.
+        v (Tensor): ``(B, Hkv, L, D)``.
+        key_valid (Tensor): ``(B, L)`` bool.
+        n_filled (Tensor): ``(1,)`` int64, columns ``0 .. n_filled - 1`` hold keys.
+        scale (float): multiplies ``q . k``.
+
+    Returns:
+        Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key.
+
+    Example:
+        >>> out = decode_attention_reference(q, k, v, valid, torch.tensor([5]), 0.125)
+    """
+    b, hq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    ok = key_valid & (torch.arange(length, device=q.device) < n_filled)  # (B, L)
+    keep = ok[:, None, :, None]
+    # masked columns may hold anything (NaN included): never let them reach the arithmetic
+    k32 = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device)).float()
+    v32 = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device)).float()
+    q32 = q.float().view(b, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,bhld->bhgl", q32, k32) * scale
+    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row without a valid key: all -inf -> 0
+    return torch.einsum("bhgl,bhld->bhgd", p, v32).reshape(b, hq, d).to(q.dtype)
+
+
+def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
+            split_len: int, block_n: int, num_warps: int) -> Tensor:
+    b, hq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    group = hq // hkv
+    splits = triton.cdiv(length, split_len)
+    g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows at least
+    d_pad = max(16, triton.next_power_of_2(d))
+    m = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    decode_partial_kernel[(b, hkv, splits)](
+        q, k, v, key_valid, n_filled, m, l, acc,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        key_valid.stride(0), key_valid.stride(1),
+        length, scale,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
+        WIDE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()), num_warps=num_warps,
+    )
+    decode_merge_kernel[(b, hq)](
+        m, l, acc, n_filled, out, out.stride(0), out.stride(1), out.stride(2), length,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), SPLIT_LEN=split_len, num_warps=4,
+    )
+    return out
+
+
+@torch.library.custom_op("logitless::decode_attention", mutates_args=())
+def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
+                         split_len: int, block_n: int, num_warps: int) -> Tensor:
+    """``(B, Hq, D)`` attention output; see :func:`decode_attention` (``split_len`` 0: automatic)."""
+    if not (q.is_cuda or _interpreting()):
+        return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
+    if split_len == 0:
+        split_len = default_split_len(q.shape[0], k.shape[1], k.shape[2], _num_sms(q.device))
+    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps):
+    return q.new_empty(q.shape)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, split_len: Optional[int],
+           block_n: int, num_warps: int) -> None:
+    # metadata only: no value of a device tensor is read (no host sync)
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"decode_attention: expected q (B, Hq, D), k and v (B, Hkv, L, D), got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, hq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or hq % k.shape[1]:
+        raise ValueError(f"decode_attention: k (B, Hkv, L, D) = {tuple(k.shape)} does not fit q (B, Hq, D) = "
+                         f"{tuple(q.shape)}; expected the same B and D and Hq a multiple of Hkv")
+    if key_valid.dtype != torch.bool or tuple(key_valid.shape) != (b, k.shape[2]):
+        raise ValueError(f"decode_attention: key_valid must be bool (B, L) = {(b, k.shape[2])}, got "
+                         f"{key_valid.dtype} {tuple(key_valid.shape)}")
+    if n_filled.dtype != torch.int64 or tuple(n_filled.shape) != (1,):
+        raise ValueError(f"decode_attention: n_filled must be an int64 tensor of shape (1,), got {n_filled.dtype} "
+                         f"{tuple(n_filled.shape)}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"decode_attention: q, k, v must share one of {_DTYPES}, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if len({q.device, k.device, v.device, key_valid.device, n_filled.device}) != 1:
+        raise ValueError(f"decode_attention: all inputs must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}, key_valid {key_valid.device}, n_filled {n_filled.device}")
+    for name, value in (("block_n", block_n), ("split_len", split_len)):
+        if value is None and name == "split_len":
+            continue
+        if not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"decode_attention: {name} must be a power of two >= 16, got {value!r}")
+    if split_len is not None and split_len % block_n:
+        raise ValueError(f"decode_attention: split_len={split_len} must be a multiple of block_n={block_n}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"decode_attention: num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, *,
+                     scale: Optional[float] = None, split_len: Optional[int] = None, block_n: int = BLOCK_N,
+                     num_warps: int = NUM_WARPS) -> Tensor:
+    """Attention of one new query token per row with grouped-query heads, split along the cache.
+
+    Args:
+        q (Tensor): ``(B, Hq, D)`` queries, any strides; query head ``h`` reads K/V head ``h // G``
+            (``G = Hq // Hkv``, torchtune's order).
+        k (Tensor): ``(B, Hkv, L, D)`` key cache, any strides (e.g. the first ``B`` rows of a bigger
+            cache: never copied).
+        v (Tensor): ``(B, Hkv, L, D)`` value cache, as ``k``.
+        key_valid (Tensor): ``(B, L)`` bool, False at each row's left padding.
+        n_filled (Tensor): ``(1,)`` int64 on the device: columns ``0 .. n_filled - 1`` hold keys
+            (the step's own key included), shared by all rows; later columns are never read.
+        scale (Optional[float]): multiplies ``q . k``; None = ``1 / sqrt(D)``.
+        split_len (Optional[int]): cache columns per program (a power of two, a multiple of
+            ``block_n``); None = :func:`default_split_len` for the shapes and the GPU.
+        block_n (int): columns per inner-loop block (a power of two >= 16).
+        num_warps (int): warps per program of the partial kernel.
+
+    Returns:
+        Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key among the
+        filled columns.
+
+    Raises:
+        ValueError: on shapes, dtypes, devices or launch parameters that do not fit, naming them.
+
+    Example:
+        >>> out = decode_attention(q, k_cache[:8], v_cache[:8], key_valid[:8], n_filled)
+    """
+    _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n,
+                                                num_warps)

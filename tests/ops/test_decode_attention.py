@@ -1,0 +1,165 @@
+"""The split-K decode attention kernel against float64, relative to SDPA in the same dtype.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``); shapes are small and odd: B=3 rows of a 5-row cache (a bucket view),
+1 or 2 K/V heads, 1, 3 or 7 query heads per K/V head, head_dim 16 or 64, 37 or 70 columns.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytest.importorskip("triton")
+from logitless.ops.triton import decode_attention, decode_attention_reference  # noqa: E402
+
+da = importlib.import_module("logitless.ops.triton.decode_attention")  # the module (the package attribute is the function)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS, CACHE_ROWS = 3, 5
+
+
+def _problem(hkv, group, dim, length, dtype, seed):
+    """q as a strided view, k/v as the first rows of a bigger cache, left padding per row (row 2:
+    no valid key among the first 9 columns)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(ROWS, dim, hkv * group, generator=g, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(CACHE_ROWS, hkv, length, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(CACHE_ROWS, hkv, length, dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(CACHE_ROWS, length, dtype=torch.bool)
+    for row, pad in enumerate([0, 4, 9, 2, 0]):
+        valid[row, :pad] = False
+    valid[1, 20:23] = False  # a hole inside the row as well
+    cast = lambda t: t.to(dtype).to(DEV)  # noqa: E731
+    return cast(q), cast(k)[:ROWS], cast(v)[:ROWS], valid.to(DEV)[:ROWS]
+
+
+def _float64(q, k, v, valid, n):
+    """The exact attention: softmax over the valid filled columns, 0 for a row without any."""
+    q, k, v = (t.detach().double().cpu() for t in (q, k, v))
+    b, hq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    ok = valid.cpu() & (torch.arange(length) < n)
+    s = torch.einsum("bhgd,bhld->bhgl", q.view(b, hkv, hq // hkv, d), k) / math.sqrt(d)
+    s = s.masked_fill(~ok[:, None, None], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhgl,bhld->bhgd", p, v).reshape(b, hq, d)
+
+
+def _sdpa(q, k, v, valid, n):
+    """Plain PyTorch in the inputs' dtype: SDPA with a boolean mask over the whole cache."""
+    b, hq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    ok = valid & (torch.arange(length, device=valid.device) < n)
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k, v, attn_mask=ok[:, None, None])
+    return out.reshape(b, hq, d)
+
+
+def _err(a, ref):
+    return ((a.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hkv,group,dim,length", [(1, 1, 16, 37), (2, 3, 64, 70), (1, 7, 16, 70), (2, 7, 64, 37)])
+def test_matches_float64_at_least_as_well_as_sdpa(hkv, group, dim, length, dtype):
+    pooled = {"ours": 0.0, "sdpa": 0.0, "norm": 0.0}
+    for n in (1, length // 2 + 1, length):  # one column, a split boundary crossed, the whole cache
+        q, k, v, valid = _problem(hkv, group, dim, length, dtype, seed=n)
+        nf = torch.tensor([n], device=DEV)
+        out = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16)
+        exact = _float64(q, k, v, valid, n)
+        assert out.shape == q.shape and out.dtype == dtype
+        assert torch.isfinite(out).all()
+        if n <= 9:  # row 2 has no valid key yet: 0, as SDPA gives
+            assert (out[2] == 0).all()
+        for name, got in (("ours", out), ("sdpa", _sdpa(q, k, v, valid, n))):
+            pooled[name] += (got.double().cpu() - exact).norm().item() ** 2
+        pooled["norm"] += exact.norm().item() ** 2
+    ours, sdpa = (math.sqrt(pooled[k] / pooled["norm"]) for k in ("ours", "sdpa"))
+    # bf16: both round the output (and P) to bf16; fp32: both are a few ulps off
+    assert ours <= 1.5 * sdpa + (1e-6 if dtype == torch.float32 else 0.0), (ours, sdpa)
+
+
+def test_default_split_lengths_and_many_splits_give_the_same_attention():
+    q, k, v, valid = _problem(2, 3, 16, 70, torch.float32, seed=5)
+    nf = torch.tensor([61], device=DEV)
+    exact = _float64(q, k, v, valid, 61)
+    for split_len, block_n in ((None, 64), (64, 32), (32, 16), (16, 16)):
+        out = decode_attention(q, k, v, valid, nf, split_len=split_len, block_n=block_n)
+        assert _err(out, exact) < 1e-6, (split_len, block_n)
+
+
+def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns():
+    q, k, v, valid = _problem(2, 3, 16, 70, torch.bfloat16, seed=7)
+    n = 41
+    nf = torch.tensor([n], device=DEV)
+    clean = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    unread = ~valid.clone()
+    unread[:, n:] = True
+    for t in (poisoned_k, poisoned_v):
+        t.masked_fill_(unread[:, None, :, None], float("nan"))
+    out = decode_attention(q, poisoned_k, poisoned_v, valid, nf, split_len=16, block_n=16)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, clean)
+    ref = decode_attention_reference(q, poisoned_k, poisoned_v, valid, nf, 1 / math.sqrt(16))  # the CPU fallback too
+    assert torch.isfinite(ref).all() and _err(ref, _float64(q, k, v, valid, n)) < 1e-2
+
+
+def test_the_fallback_off_cuda_without_the_interpreter_is_the_reference(monkeypatch):
+    q, k, v, valid = _problem(2, 7, 16, 37, torch.float32, seed=3)
+    q, k, v, valid = q.cpu(), k.cpu(), v.cpu(), valid.cpu()
+    nf = torch.tensor([30])
+    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    monkeypatch.setattr(da, "_launch", lambda *a: pytest.fail("the kernel ran without CUDA or the interpreter"))
+    out = decode_attention(q, k, v, valid, nf)
+    assert _err(out, _float64(q, k, v, valid, 30)) < 1e-6
+    assert torch.isfinite(out).all()
+
+
+def test_one_graph_under_torch_compile():
+    from torch._dynamo.utils import counters
+
+    q, k, v, valid = _problem(1, 3, 16, 37, torch.float32, seed=1)
+    nf = torch.tensor([20], device=DEV)
+
+    def step(q, k, v, valid, nf):
+        return decode_attention(q * 2, k, v, valid, nf + 1, split_len=16, block_n=16) + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, valid, nf)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(out, step(q, k, v, valid, nf), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(3, 6)), "expected q \\(B, Hq, D\\)"),
+    (dict(q=torch.zeros(3, 5, 16)), "Hq a multiple of Hkv"),
+    (dict(key_valid=torch.ones(3, 37, dtype=torch.uint8)), "key_valid must be bool"),
+    (dict(n_filled=torch.tensor(5)), "n_filled must be an int64 tensor of shape \\(1,\\)"),
+    (dict(n_filled=torch.tensor([5], dtype=torch.int32)), "n_filled must be an int64"),
+    (dict(q=torch.zeros(3, 6, 16, dtype=torch.float64)), "share one of"),
+    (dict(split_len=48), "split_len must be a power of two >= 16, got 48"),
+    (dict(block_n=8), "block_n must be a power of two >= 16, got 8"),
+    (dict(split_len=16, block_n=32), "split_len=16 must be a multiple of block_n=32"),
+    (dict(num_warps=3), "num_warps must be one of"),
+])
+def test_bad_arguments_are_named_before_any_compute(change, match):
+    args = dict(q=torch.zeros(3, 6, 16), k=torch.zeros(3, 2, 37, 16), v=torch.zeros(3, 2, 37, 16),
+                key_valid=torch.ones(3, 37, dtype=torch.bool), n_filled=torch.tensor([5]))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        decode_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("key_valid"), args.pop("n_filled"),
+                         **args)
+
+
+def test_default_split_length_spreads_few_rows_over_more_programs():
+    for length in (1024, 1536, 3584):
+        splits = [da.default_split_len(rows, 2, length) for rows in (8, 16, 64)]
+        assert splits == sorted(splits)  # fewer rows: shorter (or as long) splits, more programs per row
+        assert all(da.MIN_SPLIT <= s <= da.MAX_SPLIT and s & (s - 1) == 0 for s in splits)
+        programs = 8 * 2 * -(-length // splits[0])
+        assert programs >= 2 * 132 or splits[0] == da.MIN_SPLIT  # a compacted bucket still fills an H200
