@@ -115,3 +115,11 @@ def test_compiled_sampler_options_pass_through_from_yaml():
             (False, None, "generator", 4, False)
     with pytest.raises(ValueError, match="draws must be 'counter' or 'generator', got 'philox'"):
         build_sampler({"backend": "compiled", "draws": "philox"}, torch.device("cpu"))
+
+
+def test_decode_attention_reaches_the_sampler_from_yaml():
+    train, evaluation = build_sampler({"backend": "compiled", "decode_attention": "split_k"}, torch.device("cpu"))
+    assert train.decode_attention == evaluation.decode_attention == "split_k"
+    assert build_sampler({"backend": "compiled"}, torch.device("cpu"))[0].decode_attention == "sdpa"
+    with pytest.raises(ValueError, match="decode_attention must be one of \\('sdpa', 'split_k'\\), got 'flash'"):
+        build_sampler({"backend": "compiled", "decode_attention": "flash"}, torch.device("cpu"))

@@ -281,6 +281,7 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
     (dict(max_cache_len=1), "max_cache_len"),
     (dict(compile="yes"), "compile"),
     (dict(grouped_attention=None), "grouped_attention"),
+    (dict(decode_attention="flash"), "decode_attention"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -358,3 +359,65 @@ def test_compiled_step_samples_a_single_row():
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16)
     out = sampler(model, PROMPTS[:1], **kw)
     assert completions(out) == [naive_greedy(model, PROMPTS[0], 5, NEVER)]
+
+
+def _kernel_launches(monkeypatch):
+    """Counts the split-K kernel's launches (it runs on CPU tensors under the Triton interpreter)."""
+    import importlib
+
+    module = importlib.import_module("logitless.ops.triton.decode_attention")
+    launches = []
+    launch = module._launch
+    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(args[0].shape[0]) or launch(*args))
+    return launches, module._interpreting()
+
+
+def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch):
+    model = tiny(seed=2, tied=False).eval()  # its greedy completions do not repeat one token
+    prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
+    launches, interpreted = _kernel_launches(monkeypatch)
+    kw = dict(max_new_tokens=8, pad_id=0, num_generations=2, temperature=0)
+    free = uncompiled(compaction=False)(model, prompts, stop_tokens=NEVER, **kw).completion_tokens
+    stops = sorted({int(free[2 * p, 1 + p]) for p in range(len(prompts))})  # rows end at different steps
+    runs = {}
+    for attention in ("sdpa", "split_k"):
+        moves = []
+        sampler = uncompiled(decode_attention=attention, min_bucket=2, sync_every=1, cache_len_multiple=16)
+        compact = sampler._compact
+        sampler._compact = lambda state, bucket, size, pad_id: moves.append(size) or compact(state, bucket, size,
+                                                                                             pad_id)
+        runs[attention] = sampler(model, prompts, stop_tokens=stops, **kw)
+        assert moves  # compaction ran: 10 rows -> 5 -> ...
+    sdpa, split_k = runs["sdpa"], runs["split_k"]
+    assert sdpa.completion_lengths.min() < sdpa.completion_lengths.max()
+    assert torch.equal(split_k.completion_tokens, sdpa.completion_tokens)
+    assert torch.equal(split_k.completion_mask, sdpa.completion_mask)
+    torch.testing.assert_close(split_k.sampler_log_probs, sdpa.sampler_log_probs, atol=1e-5, rtol=0)
+    assert completions(split_k) == [naive_greedy(model, p, 8, stops) for p in prompts for _ in range(2)]
+    if interpreted:  # the kernel itself ran (else the plain PyTorch fallback did), in smaller buckets too
+        assert max(launches) == 10 and min(launches) < 10
+
+
+def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa():
+    from torch._dynamo.utils import counters
+
+    from logitless.rl.rollout import prompt_generators
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(seed=2).eval()
+    kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4,
+              temperature=1.0)
+    sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
+                              decode_attention="split_k", attention_window=4)
+    sizes = []
+    compact = sampler._compact
+    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    out = sampler(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
+    assert sizes  # 12 rows -> 6 -> ...
+    # one graph: neither the buckets nor the filled length (no window with split-K) recompile it
+    assert counters["stats"]["unique_graphs"] == 1
+    ref = uncompiled(compaction=False)(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
+    assert torch.equal(out.completion_tokens, ref.completion_tokens)
+    assert torch.equal(out.completion_mask, ref.completion_mask)
+    torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)

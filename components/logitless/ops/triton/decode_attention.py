@@ -11,9 +11,9 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   keeps an fp32 online softmax: the running max ``m``, the sum ``l`` of ``exp(s - m)`` and the
   weighted sum ``acc`` of the values. A split that starts at or beyond ``n_filled`` loads nothing
   and writes an empty partial (``m = -inf``, ``l = 0``, ``acc = 0``).
-* ``decode_merge_kernel``, grid ``(B, Hq)``: merges the non-empty splits of a query head into
-  ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA gives for a
-  fully masked row.
+* ``decode_merge_kernel``, grid ``(B, Hkv)``: merges the non-empty splits of the ``G`` query
+  heads into ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA
+  gives for a fully masked row.
 
 ``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
 no sync, and one CUDA graph serves every step. The op ``logitless::decode_attention`` is an opaque
@@ -128,28 +128,34 @@ def decode_partial_kernel(
 def decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, n_ptr, out_ptr, stride_ob, stride_oh, stride_od, L,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
 ):
-    """Grid ``(B, Hq)``: merges the non-empty split partials of one query head into its output."""
+    """Grid ``(B, Hkv)``: merges the non-empty split partials of the ``G`` query heads of one K/V
+    head into their outputs (one split's ``(G, D)`` tile at a time)."""
     b = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1).to(tl.int64)
-    h = hq // G
-    g = hq % G
+    h = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
     used = tl.cdiv(n, SPLIT_LEN)  # the splits past n_filled are empty: not read
-    s = tl.arange(0, SPLITS_PAD)
+    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
-    s_ok = s < used
-    row = ((b * (tl.num_programs(1) // G) + h) * NUM_SPLITS + s) * G_PAD + g
-    m = tl.load(m_ptr + row, mask=s_ok, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    m_all = tl.max(m, 0)
-    ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp(m - ref)  # 0 for an empty split (m = -inf)
-    total = tl.sum(w * l, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # no valid key: 0
-    tl.store(out_ptr + b * stride_ob + hq * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_all = tl.zeros([G_PAD], tl.float32)
+    o = tl.zeros([G_PAD, D_PAD], tl.float32)
+    first = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    for split in range(0, used):
+        row = (first + split) * G_PAD + g
+        m = tl.load(m_ptr + row)
+        m_new = tl.maximum(m_all, m)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split without a valid key weighs 0
+        w_all = tl.exp(m_all - ref)
+        w = tl.exp(m - ref)
+        l_all = l_all * w_all + tl.load(l_ptr + row) * w
+        o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :]) * w[:, None]
+        m_all = m_new
+    o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no valid key at all: 0
+    heads = h * G + g
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
 
 
 def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132) -> int:
@@ -241,10 +247,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
         G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
         WIDE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()), num_warps=num_warps,
     )
-    decode_merge_kernel[(b, hq)](
+    decode_merge_kernel[(b, hkv)](
         m, l, acc, n_filled, out, out.stride(0), out.stride(1), out.stride(2), length,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), SPLIT_LEN=split_len, num_warps=4,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, num_warps=4,
     )
     return out
 
@@ -252,12 +257,14 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
 @torch.library.custom_op("logitless::decode_attention", mutates_args=())
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
                          split_len: int, block_n: int, num_warps: int) -> Tensor:
-    """``(B, Hq, D)`` attention output; see :func:`decode_attention` (``split_len`` 0: automatic)."""
+    """``(B, Hq, D)`` attention output; see :func:`decode_attention` (a launch parameter of 0: its
+    default, ``split_len`` from :func:`default_split_len`)."""
     if not (q.is_cuda or _interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
+    block_n = block_n or BLOCK_N
     if split_len == 0:
-        split_len = default_split_len(q.shape[0], k.shape[1], k.shape[2], _num_sms(q.device))
-    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps)
+        split_len = max(block_n, default_split_len(q.shape[0], k.shape[1], k.shape[2], _num_sms(q.device)))
+    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps or NUM_WARPS)
 
 
 @_decode_attention_op.register_fake

@@ -24,6 +24,8 @@ reference sampler), four differences in how the work is done:
    before SDPA (7x the cache for Qwen2.5-0.5B, every layer and step); the decode step instead
    folds the query heads that share a K/V head into SDPA's query axis (same result, the cache is
    read once). ``grouped_attention=False`` keeps torchtune's layers as they are.
+   ``decode_attention="split_k"`` (opt-in) replaces SDPA there by a split-K Triton kernel whose
+   reads follow the filled columns (no window: one CUDA graph per bucket for every step).
 5. **Fewer, larger GEMMs.** The grouped decode step reads the q/k/v weights as one matrix and
    the MLP's gate/up weights as another (:mod:`logitless.rl.rollout.fused`: a copy refreshed
    from the model's weights at the start of every call), halving the small launch-bound GEMMs
@@ -49,7 +51,10 @@ from logitless.rl.rollout.sampling import (RandomSource, check_random_source, ch
                                            sample_counter, sample_next, token_hashes)
 from logitless.rl.rollout.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
 
-__all__ = ["CompiledSampler", "generate"]
+__all__ = ["CompiledSampler", "DECODE_ATTENTION", "generate"]
+
+#: The grouped decode step's attention implementations (``CompiledSampler(decode_attention=...)``).
+DECODE_ATTENTION = ("sdpa", "split_k")
 
 
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
@@ -102,7 +107,8 @@ def _groupable(layer: nn.Module) -> bool:
 def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                        col: Optional[torch.Tensor] = None, window=None,
-                       qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> torch.Tensor:
+                       qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
+                       split_k: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -112,7 +118,10 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     the layer's cache, as a batch bucket sees them) the new key and value are written at column
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
-    (:class:`FusedProjections`) computes them with one GEMM.
+    (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
+    n_filled)`` (``(B, L)`` bool, ``(1,)`` int64) one new token per row attends through the split-K
+    kernel (:func:`logitless.ops.triton.decode_attention`), which reads the first ``n_filled``
+    columns of the cache only, instead of SDPA under ``mask``.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -140,6 +149,10 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         k, v = cache
         if window is not None:
             k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
+    if split_k is not None:
+        # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
+        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, *split_k, dim ** -0.5, 0, 0, 0)
+        return attn.output_proj(out.reshape(b, s, heads * dim))
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
     length = mask.shape[-1]
@@ -152,15 +165,17 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 col: Optional[torch.Tensor] = None, window=None,
-                fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None) -> torch.Tensor:
+                fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
+                split_k: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
-    ``fused``, the layer's concatenated projections of :class:`FusedProjections`)."""
+    ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
+    the split-K attention of :func:`_grouped_attention`)."""
     layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     fused = fused or {}
     h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window,
-                                          fused.get("qkv"))) + h
+                                          fused.get("qkv"), split_k)) + h
     x = layer.mlp_norm(h)
     if "gate_up" not in fused:
         return h + layer.mlp_scale(layer.mlp(x))
@@ -197,7 +212,8 @@ def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: 
 
 def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
                  weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
-                 columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None):
+                 columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None,
+                 split_k: bool = False):
     """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
     not an int, so the compiled step is the same graph at every column).
 
@@ -207,7 +223,9 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
     its length turns dynamic at its first change (one recompilation), after which each window size is
     one more CUDA graph. ``fused`` holds each layer's concatenated projections
-    (:meth:`FusedProjections.layers`; None runs the layers' own).
+    (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
+    attend through the split-K kernel, whose reads follow the filled columns (``col + 1``, a device
+    tensor), so no window is needed and every step is the same graph.
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -219,10 +237,11 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
         window = columns.shape[0]
         key_valid = key_valid.narrow(1, 0, window)
     mask = key_valid[:, None, :] & (columns <= col)
+    filled = (key_valid, col + 1) if split_k else None  # this step's key is written at column col
 
     def run_layer(index, layer, h):
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
-                           fused[index] if fused else None)
+                           fused[index] if fused else None, filled)
 
     logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer)
     input_pos.add_(1)
@@ -297,6 +316,14 @@ class CompiledSampler:
             memory bound (:func:`~logitless.rl.rollout.prefill.prefill`); default
             :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS` (8192: smaller
             prompt batches keep one forward); None = one forward whatever the width.
+        decode_attention (str): the grouped decode step's attention. ``"sdpa"`` (default):
+            ``F.scaled_dot_product_attention`` over the window of ``attention_window``.
+            ``"split_k"``: the split-K Triton kernel (:func:`logitless.ops.triton.decode_attention`)
+            whose programs cover the cache in fixed splits and read only the filled columns (a
+            count on the device), so its work follows the filled length and the rows of a compacted
+            bucket, and one CUDA graph per bucket serves every step (``attention_window`` is not
+            used). Off CUDA it runs plain PyTorch unless ``TRITON_INTERPRET=1``. Opt-in until it is
+            measured on an H200: the default stays ``"sdpa"``.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -313,13 +340,18 @@ class CompiledSampler:
                  grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
                  graph_sampling: bool = True, fused_projections: bool = False,
-                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
+                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
+                 decode_attention: str = "sdpa") -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
             raise ValueError(f"backend must be a torch.compile backend (name or callable), got {backend!r}")
         if draws not in ("counter", "generator"):
             raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if decode_attention == "split_k":
+            import logitless.ops.triton.decode_attention  # noqa: F401  (registers logitless::decode_attention)
         _check_int("sync_every", sync_every, 1)
         _check_int("cache_len_multiple", cache_len_multiple, 1)
         _check_int("max_cache_len", max_cache_len, 2, optional=True)
@@ -338,6 +370,7 @@ class CompiledSampler:
         self.draws = draws
         self.graph_sampling = graph_sampling
         self.fused_projections = fused_projections
+        self.decode_attention = decode_attention
         self.compaction = compaction
         self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -599,7 +632,8 @@ class CompiledSampler:
         sizes = self._sizes(rows, grouped)
         shared = state["shared"]
         length = state["key"][1]
-        windowed = self.attention_window is not None and grouped
+        split_k = self.decode_attention == "split_k"
+        windowed = self.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
         bucket = self._bucket(state, rows, views=grouped)
         # every row starts live, in its own slot; token 0 is written at t = 0
         bucket["key_valid"].fill_(True)
@@ -641,7 +675,7 @@ class CompiledSampler:
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
             in_graph = counter and self.graph_sampling
             logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
-                          fused)
+                          fused, split_k)
             if counter and not in_graph:
                 _record(bucket, shared, logits, draw)
                 logits = None
@@ -701,7 +735,7 @@ def generate(
         top_p, generator: as in :func:`logitless.rl.rollout.eager.generate`.
         **options: :class:`CompiledSampler` arguments (``compile``, ``backend``, ``mode``,
             ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``,
-            ``prefill_chunk_tokens``, ...).
+            ``prefill_chunk_tokens``, ``decode_attention``, ...).
 
     Returns:
         Rollout: tokens, masks, truncation flags and sampler log-probs.
