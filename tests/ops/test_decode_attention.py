@@ -91,11 +91,17 @@ def test_default_split_lengths_and_many_splits_give_the_same_attention():
         assert _err(out, exact) < 1e-6, (split_len, block_n)
 
 
-def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns():
+def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns(monkeypatch):
     q, k, v, valid = _problem(2, 3, 16, 70, torch.bfloat16, seed=7)
     n = 41
     nf = torch.tensor([n], device=DEV)
     clean = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16)
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):  # workspaces and output: NaN wherever nothing writes
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
     poisoned_k, poisoned_v = k.clone(), v.clone()
     unread = ~valid.clone()
     unread[:, n:] = True
@@ -104,6 +110,7 @@ def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns():
     out = decode_attention(q, poisoned_k, poisoned_v, valid, nf, split_len=16, block_n=16)
     assert torch.isfinite(out).all()
     assert torch.equal(out, clean)
+    monkeypatch.undo()
     ref = decode_attention_reference(q, poisoned_k, poisoned_v, valid, nf, 1 / math.sqrt(16))  # the CPU fallback too
     assert torch.isfinite(ref).all() and _err(ref, _float64(q, k, v, valid, n)) < 1e-2
 

@@ -9,10 +9,11 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   split) reads its split's keys and values once for all ``G`` query heads that share the K/V head
   (torchtune's order: query head ``h`` reads K/V head ``h // G``), up to ``n_filled`` only, and
   keeps an fp32 online softmax: the running max ``m``, the sum ``l`` of ``exp(s - m)`` and the
-  weighted sum ``acc`` of the values. A split that starts at or beyond ``n_filled`` loads nothing
-  and writes an empty partial (``m = -inf``, ``l = 0``, ``acc = 0``).
-* ``decode_merge_kernel``, grid ``(B, Hkv)``: merges the non-empty splits of the ``G`` query
-  heads into ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA
+  weighted sum ``acc`` of the values, written to an fp32 workspace. A split that starts at or
+  beyond ``n_filled`` loads and writes nothing: the merge never reads it. A split whose keys are
+  all masked (left padding) writes the empty partial ``m = -inf``, ``l = 0``, ``acc = 0``.
+* ``decode_merge_kernel``, grid ``(B, Hkv)``: merges the splits below ``cdiv(n_filled, split_len)``
+  (the non-empty ones) of the ``G`` query heads into ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA
   gives for a fully masked row.
 
 ``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
@@ -118,10 +119,13 @@ def decode_partial_kernel(
             pv = tl.dot(p_in, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + split  # (B, Hkv, NUM_SPLITS, G_PAD[, D_PAD])
-    tl.store(m_ptr + part * G_PAD + g, m_i)
-    tl.store(l_ptr + part * G_PAD + g, l_i)
-    tl.store(acc_ptr + (part * G_PAD + g)[:, None] * D_PAD + d[None, :], acc)
+    # (B, Hkv, NUM_SPLITS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
+    # split writes nothing
+    row = ((b * tl.num_programs(1) + h) * NUM_SPLITS + split) * G + g
+    keep = (g < G) & (start + 0 * g < end)
+    tl.store(m_ptr + row, m_i, mask=keep)
+    tl.store(l_ptr + row, l_i, mask=keep)
+    tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit
@@ -143,14 +147,16 @@ def decode_merge_kernel(
     o = tl.zeros([G_PAD, D_PAD], tl.float32)
     first = (b * tl.num_programs(1) + h) * NUM_SPLITS
     for split in range(0, used):
-        row = (first + split) * G_PAD + g
-        m = tl.load(m_ptr + row)
+        row = (first + split) * G + g
+        g_ok = g < G
+        m = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"))
         m_new = tl.maximum(m_all, m)
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split without a valid key weighs 0
         w_all = tl.exp(m_all - ref)
         w = tl.exp(m - ref)
-        l_all = l_all * w_all + tl.load(l_ptr + row) * w
-        o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :]) * w[:, None]
+        l_all = l_all * w_all + tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
+        o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=g_ok[:, None],
+                                         other=0.0) * w[:, None]
         m_all = m_new
     o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no valid key at all: 0
     heads = h * G + g
@@ -233,9 +239,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
     splits = triton.cdiv(length, split_len)
     g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows at least
     d_pad = max(16, triton.next_power_of_2(d))
-    m = torch.empty(b, hkv, splits, g_pad, dtype=torch.float32, device=q.device)
+    m = torch.empty(b, hkv, splits, group, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(b, hkv, splits, g_pad, d_pad, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b, hkv, splits, group, d_pad, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     decode_partial_kernel[(b, hkv, splits)](
         q, k, v, key_valid, n_filled, m, l, acc,
