@@ -12,6 +12,9 @@ prompt length and number of new tokens, every sampler samples the same prompts t
   ``2.82 / new_tokens`` of the probability mass stops each row at a geometric length whose mean
   (capped at ``new_tokens``) is about a third of the maximum; tokens/s counts generated tokens only.
 
+``--decode-attention sdpa,split_k`` runs ``compiled`` and ``unfused`` once per decode attention
+(``CompiledSampler(decode_attention=...)``; the CSV's ``decode_attention`` column says which).
+
 Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` as a recipe builds it) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
 in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
@@ -27,6 +30,8 @@ Example (H200):
         --new-tokens 512,2048
     PYTHONPATH=components python benchmarks/bench_generation.py --models 1.5b --rows 64 --new-tokens 512 \\
         --profile
+    PYTHONPATH=components python benchmarks/bench_generation.py --models 0.5b,1.5b --rows 16,64 --new-tokens 512 \\
+        --decode-attention sdpa,split_k
     PYTHONPATH=components python benchmarks/bench_generation.py --models tiny --device cpu --no-compile  # smoke
 """
 
@@ -51,11 +56,13 @@ MODELS = {  # name: torchtune builder
     "tiny": "logitless.models.qwen2_5_tiny",  # CPU smoke test of this script
 }
 SAMPLERS = ("compiled", "unfused", "baseline", "eager")
+ATTENTIONS = ("sdpa", "split_k")  # CompiledSampler(decode_attention=...)
 MIXES = ("uniform", "mix")
 #: x with (1 - exp(-x)) / x = 1/3: a per-step stop probability of x / new_tokens gives completions
 #: whose mean length, capped at new_tokens, is a third of it.
 MIX_RATE = 2.821
-FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "options", "mix", "prompts", "G", "rows",
+FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "decode_attention", "options", "mix",
+          "prompts", "G", "rows",
           "prompt_len", "new_tokens", "seconds", "prefill_s", "generated", "mean_len", "tokens_per_s",
           "step_ms", "step_gb", "copy_gbps", "roofline_ms", "roofline_frac", "compile_s", "status"]
 GROUP = 16
@@ -150,8 +157,12 @@ def parse_options(text):
     return options
 
 
-def make_samplers(names, compile, cache_len, options=None):
-    """Sampler name -> callable with the eager sampler's signature; ``options`` go to ``compiled``."""
+def make_samplers(names, compile, cache_len, options=None, attentions=("sdpa",)):
+    """``(sampler name, decode attention) -> callable`` with the eager sampler's signature.
+
+    ``options`` go to ``compiled`` and ``unfused``, which are built once per decode attention in
+    ``attentions``; ``baseline`` attends with SDPA, ``eager`` with torchtune's layers (``-``).
+    """
     from logitless.rl.rollout import CompiledSampler, generate
 
     accepted = inspect.signature(CompiledSampler).parameters
@@ -160,16 +171,18 @@ def make_samplers(names, compile, cache_len, options=None):
                 if k in accepted}
     out = {}
     for name in names:
-        if name == "compiled":
-            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len,
-                                        **{"fused_projections": True, **(options or {})})
-        elif name == "unfused":  # the compiled sampler with the layers' own projections
-            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len,
-                                        **{**(options or {}), "fused_projections": False})
-        elif name == "baseline":
-            out[name] = CompiledSampler(compile=compile, max_cache_len=cache_len, **baseline)
-        elif name == "eager":
-            out[name] = generate
+        for attention in attentions if name in ("compiled", "unfused") else ("sdpa" if name == "baseline" else "-",):
+            chosen = {"decode_attention": attention} if "decode_attention" in accepted else {}
+            if name == "compiled":
+                out[name, attention] = CompiledSampler(compile=compile, max_cache_len=cache_len,
+                                                       **{"fused_projections": True, **(options or {}), **chosen})
+            elif name == "unfused":  # the compiled sampler with the layers' own projections
+                out[name, attention] = CompiledSampler(compile=compile, max_cache_len=cache_len,
+                                                       **{**(options or {}), **chosen, "fused_projections": False})
+            elif name == "baseline":
+                out[name, attention] = CompiledSampler(compile=compile, max_cache_len=cache_len, **baseline)
+            elif name == "eager":
+                out[name, attention] = generate
     return out
 
 
@@ -196,12 +209,13 @@ def sample(sampler, model, prompts, new_tokens, stops, seed):
                    num_generations=GROUP, temperature=1.0, generator=gens)
 
 
-def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_tokens, device, bandwidth):
+def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_tokens, device, bandwidth,
+                 attention="sdpa"):
     """Uniform and mixed lengths for one sampler and shape; returns CSV rows."""
     vocab = model.tok_embeddings.num_embeddings
     prompts = torch.randint(1, vocab, (rows // GROUP, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
-    base = dict(model=name, sampler=sampler_name, prompts=len(prompts), G=GROUP, rows=rows, prompt_len=prompt_len,
-                new_tokens=new_tokens, status="ok")
+    base = dict(model=name, sampler=sampler_name, decode_attention=attention, prompts=len(prompts), G=GROUP,
+                rows=rows, prompt_len=prompt_len, new_tokens=new_tokens, status="ok")
     out = []
     never = [vocab]  # outside the vocabulary: never sampled
     # compile and capture every graph the timed calls use (batch buckets, attention windows): a
@@ -236,7 +250,8 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
             row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
         from torch._dynamo.utils import counters
 
-        print(f"[{name} rows={rows} new={new_tokens} {mix:>7}] {sampler_name:>9}: {row.get('tokens_per_s', '-')} tok/s "
+        print(f"[{name} rows={rows} new={new_tokens} {mix:>7}] {sampler_name:>9} {attention:>7}: "
+              f"{row.get('tokens_per_s', '-')} tok/s "
               f"step {row.get('step_ms', '-')} ms roofline {row.get('roofline_frac', '-')} mean_len "
               f"{row.get('mean_len', '-')} {row['status']} (graphs compiled so far "
               f"{counters['stats']['unique_graphs']}, cudagraph skips {counters['inductor']['cudagraph_skips']})",
@@ -286,8 +301,8 @@ def results_csv(stem, gpu):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}_{name}.csv")
 
 
-TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "tokens_per_s", "mean_len", "step_ms",
-                 "roofline_ms", "roofline_frac", "compile_s", "status"]
+TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "decode_attention", "tokens_per_s", "mean_len",
+                 "step_ms", "roofline_ms", "roofline_frac", "compile_s", "status"]
 
 
 def _table(rows, cols=TABLE_COLUMNS):
@@ -310,16 +325,24 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=_ints, default=[512, 2048])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-compile", action="store_true", help="uncompiled samplers (CPU smoke test)")
+    ap.add_argument("--decode-attention", default="sdpa", help=f"comma list of {list(ATTENTIONS)}: 'compiled' and "
+                    "'unfused' run once per decode attention")
     ap.add_argument("--compiled-options", default="", help="CompiledSampler options of 'compiled', "
                     "e.g. graph_sampling=False,attention_window=None")
     ap.add_argument("--profile", action="store_true", help="profile the first model, rows and new_tokens only")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_roofline_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models, args.samplers = args.models.split(","), args.samplers.split(",")
+    args.decode_attention = args.decode_attention.split(",")
+    for name in args.decode_attention:
+        if name not in ATTENTIONS:
+            ap.error(f"--decode-attention: unknown {name!r}, expected some of {list(ATTENTIONS)}")
     try:
         args.compiled_options = parse_options(args.compiled_options)
     except (ValueError, SyntaxError):
         ap.error(f"--compiled-options: expected key=value pairs of Python literals, got {args.compiled_options!r}")
+    if "decode_attention" in args.compiled_options:
+        ap.error("--compiled-options: choose the decode attention with --decode-attention")
     for name in args.models:
         if name not in MODELS:
             ap.error(f"--models: unknown {name!r}, expected some of {list(MODELS)}")
@@ -341,8 +364,10 @@ def main(argv=None):
     cache_len = args.prompt_len + max(args.new_tokens)
     if args.profile:
         model = build_model(args.models[0], device)
-        for name, sampler in make_samplers(args.samplers, compile, cache_len, args.compiled_options).items():
-            print(f"== profile {name}: {args.models[0]} rows={args.rows[0]} new={args.new_tokens[0]}", flush=True)
+        for (name, attention), sampler in make_samplers(args.samplers, compile, cache_len, args.compiled_options,
+                                                        args.decode_attention).items():
+            print(f"== profile {name} ({attention}): {args.models[0]} rows={args.rows[0]} new={args.new_tokens[0]}",
+                  flush=True)
             profile(model, sampler, args.rows[0], args.prompt_len, args.new_tokens[0], device)
         return 0
     out = args.out or results_csv("generation_roofline", gpu)
@@ -358,12 +383,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         for name in args.models:
             model = build_model(name, device)
-            samplers = make_samplers(args.samplers, compile, cache_len, args.compiled_options)
+            samplers = make_samplers(args.samplers, compile, cache_len, args.compiled_options, args.decode_attention)
             for n in args.rows:
                 for new in args.new_tokens:
-                    for sname, sampler in samplers.items():
+                    for (sname, attention), sampler in samplers.items():
                         for row in bench_config(model, name, sname, sampler, n, args.prompt_len, new, device,
-                                                bandwidth):
+                                                bandwidth, attention):
                             w.writerow({**common, **row})
                             fh.flush()
                             rows.append(row)

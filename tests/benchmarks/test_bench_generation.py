@@ -58,7 +58,7 @@ def test_bad_rows_are_refused_naming_the_flag(bench):
 def test_compiled_options_reach_the_sampler(bench):
     args = bench.parse_args(["--compiled-options", "graph_sampling=False,attention_window=None,min_bucket=4"])
     assert args.compiled_options == {"graph_sampling": False, "attention_window": None, "min_bucket": 4}
-    sampler = bench.make_samplers(["compiled"], False, 64, args.compiled_options)["compiled"]
+    sampler = bench.make_samplers(["compiled"], False, 64, args.compiled_options)["compiled", "sdpa"]
     assert (sampler.graph_sampling, sampler.attention_window, sampler.min_bucket) == (False, None, 4)
     with pytest.raises(SystemExit):
         bench.parse_args(["--compiled-options", "graph_sampling"])
@@ -66,5 +66,27 @@ def test_compiled_options_reach_the_sampler(bench):
 
 def test_unfused_sampler_is_the_compiled_one_without_fused_projections(bench):
     samplers = bench.make_samplers(["compiled", "unfused"], False, 64, {"min_bucket": 4})
-    assert (samplers["compiled"].fused_projections, samplers["unfused"].fused_projections) == (True, False)
-    assert samplers["unfused"].min_bucket == 4
+    compiled, unfused = samplers["compiled", "sdpa"], samplers["unfused", "sdpa"]
+    assert (compiled.fused_projections, unfused.fused_projections) == (True, False)
+    assert unfused.min_bucket == 4
+
+
+def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tmp_path, monkeypatch):
+    import importlib
+
+    # the plumbing is tested here, the kernel in tests/ops: its plain PyTorch fallback keeps this fast
+    monkeypatch.setattr(importlib.import_module("logitless.ops.triton.decode_attention"), "_interpreting", lambda: False)
+    out = tmp_path / "gen.csv"
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "4",
+                       "--new-tokens", "4", "--samplers", "compiled,baseline", "--decode-attention", "sdpa,split_k",
+                       "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["sampler"], r["decode_attention"], r["mix"]) for r in rows] == [
+        (s, a, m) for s, a in (("compiled", "sdpa"), ("compiled", "split_k"), ("baseline", "sdpa"))
+        for m in ("uniform", "mix")]
+    assert all(r["status"] == "ok" for r in rows)
+    samplers = bench.make_samplers(["compiled", "eager"], False, 64, {}, ("sdpa", "split_k"))
+    assert samplers["compiled", "split_k"].decode_attention == "split_k" and ("eager", "-") in samplers
+    for bad in (["--decode-attention", "flash"], ["--compiled-options", "decode_attention='split_k'"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

@@ -1,0 +1,101 @@
+"""The split-K decode attention kernel on a GPU at Qwen2.5 attention shapes, against float64 relative
+to SDPA, and the compiled sampler with it against SDPA token for token (skipped without CUDA)."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (query heads, K/V heads, head_dim): Qwen2.5-0.5B, 1.5B, 7B
+SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128)}
+CACHE_ROWS, LENGTH = 64, 3584
+
+
+def _problem(hq, hkv, dim, rows, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, hq, dim, generator=g, device="cuda", dtype=torch.float64)
+    k = torch.randn(CACHE_ROWS, hkv, LENGTH, dim, generator=g, device="cuda", dtype=torch.float64)
+    v = torch.randn(CACHE_ROWS, hkv, LENGTH, dim, generator=g, device="cuda", dtype=torch.float64)
+    pads = torch.randint(0, 300, (CACHE_ROWS,), generator=g, device="cuda")
+    valid = torch.arange(LENGTH, device="cuda")[None] >= pads[:, None]  # left padding per row
+    return q.to(dtype), k.to(dtype)[:rows], v.to(dtype)[:rows], valid[:rows]
+
+
+def _exact(q, k, v, valid, n):
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    ok = valid & (torch.arange(k.shape[2], device="cuda") < n)
+    s = torch.einsum("bhgd,bhld->bhgl", q.double().view(b, hkv, hq // hkv, d), k.double()) / math.sqrt(d)
+    p = torch.softmax(s.masked_fill(~ok[:, None, None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhgl,bhld->bhgd", p, v.double()).reshape(b, hq, d)
+
+
+def _sdpa(q, k, v, valid, n):
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    ok = valid & (torch.arange(k.shape[2], device="cuda") < n)
+    return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=ok[:, None, None]).reshape(
+        b, hq, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("rows", [8, 64])
+def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtype):
+    from logitless.ops.triton import decode_attention
+
+    hq, hkv, dim = SHAPES[model]
+    for n in (1, 257, 1100, LENGTH):
+        q, k, v, valid = _problem(hq, hkv, dim, rows, dtype, seed=n)
+        nf = torch.tensor([n], device="cuda")
+        exact = _exact(q, k, v, valid, n)
+        ours = decode_attention(q, k, v, valid, nf)
+        sdpa = _sdpa(q, k, v, valid, n)
+        err = lambda a: ((a.double() - exact).norm() / exact.norm().clamp(min=1e-30)).item()  # noqa: E731
+        assert torch.isfinite(ours).all()
+        assert err(ours) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0), (n, err(ours), err(sdpa))
+        for split_len in (64, 512):  # the shortest and longest automatic splits give the same attention
+            other = decode_attention(q, k, v, valid, nf, split_len=split_len)
+            assert err(other) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0)
+
+
+@pytest.fixture(scope="module")
+def two_layers():
+    """Qwen2.5-0.5B's layer and vocabulary shapes, two layers, fp32: a short compilation."""
+    from torchtune.models.qwen2._component_builders import qwen2
+
+    torch.manual_seed(1)
+    with torch.device("cuda"):
+        m = qwen2(vocab_size=151936, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896,
+                  intermediate_dim=4864, max_seq_len=2048, norm_eps=1e-6, rope_base=1e6, tie_word_embeddings=True)
+    with torch.no_grad():
+        m.tok_embeddings.weight.mul_(0.02)
+    return m.eval().requires_grad_(False)
+
+
+PROMPTS = [[(7 * i + 3 * p) % 5000 + 10 for i in range(200 + 50 * p)] for p in range(4)]
+
+
+def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_layers):
+    from torch._dynamo.utils import counters
+
+    from logitless.rl.rollout import CompiledSampler
+    from logitless.rl.rollout.eager import generate
+
+    model = two_layers
+    free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
+    stops = sorted({int(free.completion_tokens[4 * p, 8 + 10 * p]) for p in range(4)})
+    kw = dict(max_new_tokens=48, stop_tokens=stops, pad_id=0, num_generations=4, temperature=0)
+    sdpa = CompiledSampler(min_bucket=2, sync_every=4, attention_window=16)(model, PROMPTS, **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    split_k = CompiledSampler(min_bucket=2, sync_every=4, decode_attention="split_k")(model, PROMPTS, **kw)
+    assert counters["stats"]["unique_graphs"] == 1  # every bucket and filled length: one compilation
+    assert sdpa.completion_lengths.min() < sdpa.completion_lengths.max()  # compaction ran
+    assert torch.equal(split_k.completion_mask, sdpa.completion_mask)
+    assert torch.equal(split_k.completion_tokens, sdpa.completion_tokens)
+    torch.testing.assert_close(split_k.sampler_log_probs, sdpa.sampler_log_probs, atol=2e-3, rtol=0)
