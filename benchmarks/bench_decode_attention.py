@@ -1,0 +1,214 @@
+"""Decode attention alone: time per layer against the bytes it must read, SDPA over a window vs split-K.
+
+One new query token per row attends to a static bf16 cache of ``--cache-len`` columns of which the
+first ``n`` are filled (``--filled``), at Qwen2.5 attention shapes (``0.5b``: 14 query / 2 K/V heads,
+head_dim 64; ``1.5b``: 12 / 2 / 128; ``7b``: 28 / 4 / 128). The rows (``--rows``) are the first rows
+of a 64-row cache, as a compacted batch bucket of the compiled sampler sees them; every row has a
+few columns of left padding. Methods:
+
+* ``sdpa_window``: the compiled sampler's default (``decode_attention="sdpa"``): the query heads of
+  a K/V head folded into SDPA's query axis, a boolean mask, over the filled length rounded up to
+  ``--window`` columns (its ``attention_window``);
+* ``sdpa_full``: the same over the whole cache (``attention_window=None``);
+* ``split_k``: :func:`logitless.ops.triton.decode_attention` (``decode_attention="split_k"``), with the
+  automatic split length, and with each of ``--split-lens`` when given.
+
+On CUDA each method is timed as a CUDA graph of ``--reps`` calls, replayed (the sampler replays its
+captured step, so launch gaps do not count). ``bytes`` is what the step must read: the filled keys
+and values of the rows (``rows x kv_heads x n x head_dim x 2 x 2`` bytes), the query and the output;
+``of_copy_bw`` is that at the device-to-device copy bandwidth measured in the same run, divided by
+the time. ``max_diff`` is the largest absolute difference from ``sdpa_full``'s output.
+
+Example (H200):
+    PYTHONPATH=components python benchmarks/bench_decode_attention.py --models 0.5b,1.5b,7b --rows 8,16,64 \\
+        --filled 1024,2048,3584
+    PYTHONPATH=components python benchmarks/bench_decode_attention.py --models tiny --device cpu  # smoke
+"""
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
+from bench_generation import _gpu_name, _version, copy_bandwidth  # noqa: E402
+
+SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
+METHODS = ("sdpa_window", "sdpa_full", "split_k")
+CACHE_ROWS = 64
+FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len", "us",
+          "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_diff", "status"]
+
+
+def make_inputs(model, rows, cache_len, device, dtype):
+    """q ``(rows, Hq, D)``, K/V caches ``(rows, Hkv, L, D)`` (views of 64-row caches) and the key mask."""
+    hq, hkv, dim = SHAPES[model]
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(rows, hq, dim, generator=g, device=device).to(dtype)
+    k = torch.randn(max(rows, CACHE_ROWS), hkv, cache_len, dim, generator=g, device=device).to(dtype)
+    v = torch.randn_like(k)
+    valid = torch.ones(max(rows, CACHE_ROWS), cache_len, dtype=torch.bool, device=device)
+    for row in range(valid.shape[0]):
+        valid[row, :row % 7] = False  # a little left padding per row
+    return q, k[:rows], v[:rows], valid[:rows]
+
+
+def sdpa_step(q, k, v, valid, n_filled, window):
+    """The sampler's SDPA decode attention over the first ``window`` columns (``n_filled`` on the device)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
+    mask = valid.narrow(1, 0, window) & (torch.arange(window, device=q.device) < n_filled)
+    mask = mask[:, None, None].expand(b, 1, hq // hkv, window)
+    return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask).reshape(b, hq, d)
+
+
+def methods(args, cache_len, filled):
+    """``(method, split_len, callable(q, k, v, valid, n_filled))`` of one configuration."""
+    from logitless.ops.triton import decode_attention
+
+    window = min(cache_len, -(-filled // args.window) * args.window)
+    out = []
+    for name in args.methods:
+        if name == "sdpa_window":
+            out.append((name, "", lambda q, k, v, m, n, w=window: sdpa_step(q, k, v, m, n, w)))
+        elif name == "sdpa_full":
+            out.append((name, "", lambda q, k, v, m, n: sdpa_step(q, k, v, m, n, cache_len)))
+        else:
+            out.append((name, "auto", lambda q, k, v, m, n: decode_attention(q, k, v, m, n)))
+            for split in args.split_lens:
+                out.append((name, split, lambda q, k, v, m, n, s=split: decode_attention(
+                    q, k, v, m, n, split_len=s, block_n=min(s, 64))))
+    return out
+
+
+def time_call(fn, device, reps, iters):
+    """Seconds per call: a CUDA graph of ``reps`` calls replayed ``iters`` times (CUDA), else a loop."""
+    if device.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (iters * reps)
+
+
+def bench(args):
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bandwidth = copy_bandwidth(device)
+    common = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  gpu=_gpu_name(device), torch=torch.__version__, triton=_version("triton"))
+    rows_out = []
+    for model in args.models:
+        hq, hkv, dim = SHAPES[model]
+        for rows in args.rows:
+            q, k, v, valid = make_inputs(model, rows, args.cache_len, device, dtype)
+            for filled in args.filled:
+                n_filled = torch.tensor([filled], device=device)
+                nbytes = rows * hkv * filled * dim * 2 * k.element_size() + 2 * rows * hq * dim * q.element_size()
+                reference = sdpa_step(q, k, v, valid, n_filled, args.cache_len).float()
+                for name, split, fn in methods(args, args.cache_len, filled):
+                    row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
+                               split_len=split, bytes=nbytes, status="ok")
+                    try:
+                        diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
+                        seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
+                        roof = nbytes / bandwidth
+                        row.update(us=round(seconds * 1e6, 2), max_diff=f"{diff:.2e}",
+                                   copy_gbps=round(bandwidth / 1e9, 1), roofline_us=round(roof * 1e6, 2),
+                                   of_copy_bw="" if math.isnan(roof) else round(roof / seconds, 3))
+                    except Exception as exc:  # one failing configuration must not hide the others' numbers
+                        row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
+                    print(f"[{model} rows={rows} filled={filled}] {name:>11} {str(split):>4}: {row.get('us', '-')} us "
+                          f"({row.get('of_copy_bw', '-')} of copy bw) max_diff {row.get('max_diff', '-')} "
+                          f"{row['status']}", flush=True)
+                    rows_out.append(row)
+    return rows_out, bandwidth
+
+
+def _table(rows):
+    cols = ["model", "rows", "filled", "method", "split_len", "us", "roofline_us", "of_copy_bw", "max_diff", "status"]
+    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(width[c]) for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--rows", type=_ints, default=[8, 16, 64])
+    ap.add_argument("--filled", type=_ints, default=[1024, 2048, 3584], help="filled columns of the cache")
+    ap.add_argument("--cache-len", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=256, help="sdpa_window's attention_window")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
+    ap.add_argument("--split-lens", type=_ints, default=[], help="split_k split lengths to time besides 'auto'")
+    ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
+    ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/decode_attention_<gpu>.csv)")
+    args = ap.parse_args(argv)
+    args.models, args.methods = args.models.split(","), args.methods.split(",")
+    for name in args.models:
+        if name not in SHAPES:
+            ap.error(f"--models: unknown {name!r}, expected some of {list(SHAPES)}")
+    for name in args.methods:
+        if name not in METHODS:
+            ap.error(f"--methods: unknown {name!r}, expected some of {list(METHODS)}")
+    for n in args.filled:
+        if not 1 <= n <= args.cache_len:
+            ap.error(f"--filled: {n} is not in [1, --cache-len={args.cache_len}]")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    gpu = _gpu_name(torch.device(args.device))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"decode_attention_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    rows, bandwidth = bench(args)
+    new_file = not os.path.exists(out)
+    with open(out, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        if new_file:
+            w.writeheader()
+        w.writerows(rows)
+    print(f"\n{gpu} | torch {torch.__version__} | triton {_version('triton')} | copy {bandwidth / 1e9:.0f} GB/s | "
+          f"cache {args.cache_len} columns | csv {out}")
+    print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
