@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Split-K decode attention on one GPU (issue 14, items 2-3): its GPU tests, the compiled sampler with
 # decode_attention sdpa vs split_k, then the attention-only microbenchmark (its table printed last).
-# Usage: benchmarks/run_splitk_gpu.sh OUT_DIR [MODELS]
+# Usage: benchmarks/run_splitk_gpu.sh OUT_DIR [MODELS]   (at most 570 s: one device call)
 set -u
-out=${1:?output directory}; models=${2:-0.5b,1.5b}
+out=${1:?output directory}; models=${2:-1.5b}
 mkdir -p "$out"
 quiet() { grep -v "Warning\|warn\|^  \|Configuration class\|Skipping import"; }
-timeout 240 python3 -m pytest -q -x tests/gpu/test_decode_attention_gpu.py 2>&1 | quiet | tail -n 6
-timeout 420 python3 benchmarks/bench_generation.py --models "$models" --rows 16,64 --new-tokens 512 --samplers compiled \
+timeout 150 python3 -m pytest -q -x tests/gpu/test_decode_attention_gpu.py 2>&1 | quiet | tail -n 6
+timeout 300 python3 benchmarks/bench_generation.py --models "$models" --rows 16,64 --new-tokens 512 --samplers compiled \
     --decode-attention sdpa,split_k --out "$out/generation_roofline.csv" > "$out/generation.log" 2>&1
 quiet < "$out/generation.log" | tail -n 11
-timeout 200 python3 benchmarks/bench_decode_attention.py --out "$out/decode_attention.csv" > "$out/attention.log" 2>&1
+timeout 120 python3 benchmarks/bench_decode_attention.py --out "$out/decode_attention.csv" > "$out/attention.log" 2>&1
 tail -n 84 "$out/attention.log"
