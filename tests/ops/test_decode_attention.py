@@ -22,14 +22,16 @@ ROWS, CACHE_ROWS = 3, 5
 
 
 def _problem(hkv, group, dim, length, dtype, seed):
-    """q as a strided view, k/v as the first rows of a bigger cache, left padding per row (row 2:
-    no valid key among the first 9 columns)."""
+    """q as a strided view, k/v as the first rows of a bigger cache, left padding per row (row 0:
+    none, row 2: no valid key among the first 9 columns, the others random)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(ROWS, dim, hkv * group, generator=g, dtype=torch.float64).transpose(1, 2)
     k = torch.randn(CACHE_ROWS, hkv, length, dim, generator=g, dtype=torch.float64)
     v = torch.randn(CACHE_ROWS, hkv, length, dim, generator=g, dtype=torch.float64)
     valid = torch.ones(CACHE_ROWS, length, dtype=torch.bool)
-    for row, pad in enumerate([0, 4, 9, 2, 0]):
+    pads = torch.randint(1, 12, (CACHE_ROWS,), generator=g)
+    pads[0], pads[2] = 0, 9
+    for row, pad in enumerate(pads.tolist()):
         valid[row, :pad] = False
     valid[1, 20:23] = False  # a hole inside the row as well
     cast = lambda t: t.to(dtype).to(DEV)  # noqa: E731

@@ -281,7 +281,8 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
     (dict(max_cache_len=1), "max_cache_len"),
     (dict(compile="yes"), "compile"),
     (dict(grouped_attention=None), "grouped_attention"),
-    (dict(decode_attention="flash"), "decode_attention"),
+    (dict(decode_attention="flash"), "decode_attention must be one of \\('sdpa', 'split_k'\\), got 'flash'"),
+    (dict(decode_attention="split_k", grouped_attention=False), "split_k' needs grouped_attention=True"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):

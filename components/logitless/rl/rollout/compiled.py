@@ -350,6 +350,9 @@ class CompiledSampler:
             raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if decode_attention == "split_k" and grouped_attention is False:
+            raise ValueError("decode_attention='split_k' needs grouped_attention=True (the grouped decode step is "
+                             "where it runs); got grouped_attention=False")
         if decode_attention == "split_k":
             import logitless.ops.triton.decode_attention  # noqa: F401  (registers logitless::decode_attention)
         _check_int("sync_every", sync_every, 1)
