@@ -33,12 +33,14 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
 from bench_generation import _gpu_name, _version, copy_bandwidth  # noqa: E402
+from bench_sft import _add_columns  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
 METHODS = ("sdpa_window", "sdpa_full", "split_k")
@@ -198,9 +200,10 @@ def main(argv=None):
                                    f"decode_attention_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows, bandwidth = bench(args)
+    fields = _add_columns(Path(out), FIELDS)  # an older file gains new columns first
     new_file = not os.path.exists(out)
     with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         if new_file:
             w.writeheader()
         w.writerows(rows)

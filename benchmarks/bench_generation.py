@@ -46,8 +46,12 @@ import re
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_sft module
+from bench_sft import _add_columns  # noqa: E402
 
 MODELS = {  # name: torchtune builder
     "0.5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
@@ -375,9 +379,10 @@ def main(argv=None):
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
+    fields = _add_columns(Path(out), FIELDS)  # an older file gains the new columns first
     new_file = not os.path.exists(out)
     with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         if new_file:
             w.writeheader()
         t0 = time.perf_counter()

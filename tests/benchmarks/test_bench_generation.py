@@ -90,3 +90,20 @@ def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tm
     for bad in (["--decode-attention", "flash"], ["--compiled-options", "decode_attention='split_k'"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_rows_appended_to_an_older_csv_line_up_with_their_columns(bench, tmp_path):
+    out = tmp_path / "gen.csv"
+    old_fields = [f for f in bench.FIELDS if f != "decode_attention"]  # a results file from before the column
+    old_row = {f: f"old-{f}" for f in old_fields}
+    with out.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=old_fields)
+        w.writeheader()
+        w.writerow(old_row)
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "4",
+                       "--new-tokens", "4", "--samplers", "compiled", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 3 and all(None not in r for r in rows)  # no value without a column
+    assert {k: v for k, v in rows[0].items() if k in old_fields} == old_row and rows[0]["decode_attention"] == ""
+    assert [(r["sampler"], r["decode_attention"], r["mix"]) for r in rows[1:]] == [
+        ("compiled", "sdpa", "uniform"), ("compiled", "sdpa", "mix")]
