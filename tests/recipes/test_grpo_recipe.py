@@ -195,6 +195,22 @@ def test_qwen_config_validates_with_random_weights_and_synthetic_prompts():
         validate_grpo_config(OmegaConf.load(ROOT / "configs/qwen_grpo.yaml"))
 
 
+def test_generation_decode_attention_is_checked_from_yaml():
+    from logitless.rl.config import validate_grpo_config
+
+    def qwen(*overrides):
+        cfg = OmegaConf.load(ROOT / "configs/qwen_grpo.yaml")
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+            "model_init=random", "tokenizer._component_=logitless.datasets.synthetic_tokenizer",
+            "dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset", "eval_every_n_steps=null",
+            "generation.backend=compiled", *overrides]))
+
+    assert validate_grpo_config(qwen("generation.decode_attention=split_k")).generation.decode_attention == "split_k"
+    with pytest.raises(ConfigError, match="config key 'generation': decode_attention must be one of "
+                                          "\\('sdpa', 'split_k'\\), got 'flash'"):
+        validate_grpo_config(qwen("generation.decode_attention=flash"))
+
+
 def test_another_runs_folder_and_changed_group_size_are_refused_before_the_policy_is_built(tmp_path, monkeypatch):
     GRPORecipe(tiny_cfg(tmp_path, "max_steps=1")).run()
     before = sorted(p.name for p in tmp_path.iterdir())
