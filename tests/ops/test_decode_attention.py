@@ -71,7 +71,7 @@ def test_matches_float64_at_least_as_well_as_sdpa(hkv, group, dim, length, dtype
     for n in (1, length // 2 + 1, length):  # one column, a split boundary crossed, the whole cache
         q, k, v, valid = _problem(hkv, group, dim, length, dtype, seed=n)
         nf = torch.tensor([n], device=DEV)
-        out = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16)
+        out = decode_attention(q, k, v, valid, nf, split_len=32, block_n=16)  # 2 blocks a split, 2-3 splits
         exact = _float64(q, k, v, valid, n)
         assert out.shape == q.shape and out.dtype == dtype
         assert torch.isfinite(out).all()
@@ -99,7 +99,7 @@ def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns(monkeypatch):
     q, k, v, valid = _problem(2, 3, 16, 70, torch.bfloat16, seed=7)
     n = 41
     nf = torch.tensor([n], device=DEV)
-    clean = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16)
+    clean = decode_attention(q, k, v, valid, nf, split_len=32, block_n=16)
     empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):  # workspaces and output: NaN wherever nothing writes
@@ -111,7 +111,7 @@ def test_reads_nothing_at_or_after_n_filled_nor_at_masked_columns(monkeypatch):
     unread[:, n:] = True
     for t in (poisoned_k, poisoned_v):
         t.masked_fill_(unread[:, None, :, None], float("nan"))
-    out = decode_attention(q, poisoned_k, poisoned_v, valid, nf, split_len=16, block_n=16)
+    out = decode_attention(q, poisoned_k, poisoned_v, valid, nf, split_len=32, block_n=16)
     assert torch.isfinite(out).all()
     assert torch.equal(out, clean)
     monkeypatch.undo()
