@@ -11,7 +11,8 @@ few columns of left padding. Methods:
   ``--window`` columns (its ``attention_window``);
 * ``sdpa_full``: the same over the whole cache (``attention_window=None``);
 * ``split_k``: :func:`logitless.ops.triton.decode_attention` (``decode_attention="split_k"``), with the
-  automatic split length, and with each of ``--split-lens`` when given.
+  automatic split length, and with each of ``--split-lens`` when given (times each of ``--block-ns``
+  and ``--warps``: a sweep of the launch parameters).
 
 On CUDA each method is timed as a CUDA graph of ``--reps`` calls, replayed (the sampler replays its
 captured step, so launch gaps do not count). ``bytes`` is what the step must read: the filled keys
@@ -45,7 +46,8 @@ from bench_sft import _add_columns  # noqa: E402
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
 METHODS = ("sdpa_window", "sdpa_full", "split_k")
 CACHE_ROWS = 64
-FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len", "us",
+FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len", "block_n",
+          "num_warps", "us",
           "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
@@ -73,21 +75,25 @@ def sdpa_step(q, k, v, valid, n_filled, window):
 
 
 def methods(args, cache_len, filled):
-    """``(method, split_len, callable(q, k, v, valid, n_filled))`` of one configuration."""
+    """``(method, launch parameters, callable(q, k, v, valid, n_filled))`` of one configuration;
+    split-K once per (split length: ``auto`` and ``--split-lens``) x ``--block-ns`` x ``--warps``."""
     from logitless.ops.triton import decode_attention
 
     window = min(cache_len, -(-filled // args.window) * args.window)
     out = []
     for name in args.methods:
         if name == "sdpa_window":
-            out.append((name, "", lambda q, k, v, m, n, w=window: sdpa_step(q, k, v, m, n, w)))
+            out.append((name, {}, lambda q, k, v, m, n, w=window: sdpa_step(q, k, v, m, n, w)))
         elif name == "sdpa_full":
-            out.append((name, "", lambda q, k, v, m, n: sdpa_step(q, k, v, m, n, cache_len)))
+            out.append((name, {}, lambda q, k, v, m, n: sdpa_step(q, k, v, m, n, cache_len)))
         else:
-            out.append((name, "auto", lambda q, k, v, m, n: decode_attention(q, k, v, m, n)))
-            for split in args.split_lens:
-                out.append((name, split, lambda q, k, v, m, n, s=split: decode_attention(
-                    q, k, v, m, n, split_len=s, block_n=min(s, 64))))
+            for split in [None] + args.split_lens:
+                for block_n in args.block_ns:
+                    for warps in args.warps:
+                        launch = dict(split_len=split, block_n=block_n if split is None else min(split, block_n),
+                                      num_warps=warps)
+                        out.append((name, launch, lambda q, k, v, m, n, kw=launch: decode_attention(q, k, v, m, n,
+                                                                                                    **kw)))
     return out
 
 
@@ -135,9 +141,9 @@ def bench(args):
                 n_filled = torch.tensor([filled], device=device)
                 nbytes = rows * hkv * filled * dim * 2 * k.element_size() + 2 * rows * hq * dim * q.element_size()
                 reference = sdpa_step(q, k, v, valid, n_filled, args.cache_len).float()
-                for name, split, fn in methods(args, args.cache_len, filled):
+                for name, launch, fn in methods(args, args.cache_len, filled):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
-                               split_len=split, bytes=nbytes, status="ok")
+                               bytes=nbytes, status="ok", **{k: "auto" if v is None else v for k, v in launch.items()})
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
@@ -147,7 +153,8 @@ def bench(args):
                                    of_copy_bw="" if math.isnan(roof) else round(roof / seconds, 3))
                     except Exception as exc:  # one failing configuration must not hide the others' numbers
                         row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
-                    print(f"[{model} rows={rows} filled={filled}] {name:>11} {str(split):>4}: {row.get('us', '-')} us "
+                    tag = " ".join(f"{k}={row[k]}" for k in launch)
+                    print(f"[{model} rows={rows} filled={filled}] {name:>11} {tag}: {row.get('us', '-')} us "
                           f"({row.get('of_copy_bw', '-')} of copy bw) max_diff {row.get('max_diff', '-')} "
                           f"{row['status']}", flush=True)
                     rows_out.append(row)
@@ -155,7 +162,8 @@ def bench(args):
 
 
 def _table(rows):
-    cols = ["model", "rows", "filled", "method", "split_len", "us", "roofline_us", "of_copy_bw", "max_diff", "status"]
+    cols = ["model", "rows", "filled", "method", "split_len", "block_n", "num_warps", "us", "roofline_us", "of_copy_bw",
+            "max_diff", "status"]
     width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     lines = ["  ".join(c.ljust(width[c]) for c in cols)]
     lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
@@ -175,6 +183,8 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=256, help="sdpa_window's attention_window")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
     ap.add_argument("--split-lens", type=_ints, default=[], help="split_k split lengths to time besides 'auto'")
+    ap.add_argument("--block-ns", type=_ints, default=[64], help="split_k columns per inner block (capped at the split)")
+    ap.add_argument("--warps", type=_ints, default=[4], help="split_k warps per program")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -16,9 +16,9 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
     assert bench.main(["--models", "tiny", "--device", "cpu", "--rows", "2", "--cache-len", "64", "--filled", "9,64",
                        "--split-lens", "16", "--reps", "1", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert [(r["filled"], r["method"], r["split_len"]) for r in rows] == [
-        (f, m, s) for f in ("9", "64") for m, s in (("sdpa_window", ""), ("sdpa_full", ""), ("split_k", "auto"),
-                                                    ("split_k", "16"))]
+    assert [(r["filled"], r["method"], r["split_len"], r["block_n"]) for r in rows] == [
+        (f, m, s, b) for f in ("9", "64") for m, s, b in (("sdpa_window", "", ""), ("sdpa_full", "", ""),
+                                                          ("split_k", "auto", "64"), ("split_k", "16", "16"))]
     hq, hkv, dim = bench.SHAPES["tiny"]
     for r in rows:
         assert r["status"] == "ok" and float(r["us"]) > 0
