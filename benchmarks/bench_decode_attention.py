@@ -183,7 +183,8 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=256, help="sdpa_window's attention_window")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
     ap.add_argument("--split-lens", type=_ints, default=[], help="split_k split lengths to time besides 'auto'")
-    ap.add_argument("--block-ns", type=_ints, default=[64], help="split_k columns per inner block (capped at the split)")
+    ap.add_argument("--block-ns", type=_ints, default=[64],
+                    help="split_k columns per inner block (capped at the split)")
     ap.add_argument("--warps", type=_ints, default=[4], help="split_k warps per program")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")

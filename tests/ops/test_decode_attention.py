@@ -15,7 +15,8 @@ from torch.nn import functional as F
 pytest.importorskip("triton")
 from logitless.ops.triton import decode_attention, decode_attention_reference  # noqa: E402
 
-da = importlib.import_module("logitless.ops.triton.decode_attention")  # the module (the package attribute is the function)
+# the module itself: the package attribute of that name is the function
+da = importlib.import_module("logitless.ops.triton.decode_attention")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, CACHE_ROWS = 3, 5

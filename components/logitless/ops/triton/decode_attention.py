@@ -13,16 +13,17 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   beyond ``n_filled`` loads and writes nothing: the merge never reads it. A split whose keys are
   all masked (left padding) writes the empty partial ``m = -inf``, ``l = 0``, ``acc = 0``.
 * ``decode_merge_kernel``, grid ``(B, Hkv)``: merges the splits below ``cdiv(n_filled, split_len)``
-  (the non-empty ones) of the ``G`` query heads into ``acc / l`` in the query's dtype; a row with no valid key at all gets 0, as SDPA
-  gives for a fully masked row.
+  (the non-empty ones) of the ``G`` query heads into ``acc / l`` in the query's dtype; a row with
+  no valid key at all gets 0, as SDPA gives for a fully masked row.
 
 ``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
 no sync, and one CUDA graph serves every step. The op ``logitless::decode_attention`` is an opaque
 ``torch.library`` custom op (a ``triton_op`` would let inductor see the kernels, but its traceable
-wrapper does not take the interpreter's kernels, so CPU tests could not compile it): ``torch.compile``
-captures it in the decode step without a graph break. Off CUDA it runs :func:`decode_attention_reference`
-(plain PyTorch) unless the Triton interpreter is requested (``TRITON_INTERPRET=1``, how the tests run
-the kernels on CPU tensors).
+wrapper does not take the interpreter's kernels, so CPU tests could not compile it):
+``torch.compile`` captures it in the decode step without a graph break, and inductor hands it the
+cache buffers themselves (no copy). Off CUDA it runs :func:`decode_attention_reference` (plain
+PyTorch) unless the Triton interpreter is requested (``TRITON_INTERPRET=1``, how the tests run the
+kernels on CPU tensors).
 
 The launch parameters (split length, ``BLOCK_N``, warps) are sensible guesses for an H200 at
 Qwen2.5 shapes (head_dim 64 and 128, caches up to a few thousand columns), not measured choices.

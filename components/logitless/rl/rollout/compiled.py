@@ -36,6 +36,7 @@ inside the call and detached on exit, even on error: a torchtune 0.6.1 model wit
 disabled attends bidirectionally when called without a mask.
 """
 
+import importlib
 import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -353,8 +354,8 @@ class CompiledSampler:
         if decode_attention == "split_k" and grouped_attention is False:
             raise ValueError("decode_attention='split_k' needs grouped_attention=True (the grouped decode step is "
                              "where it runs); got grouped_attention=False")
-        if decode_attention == "split_k":
-            import logitless.ops.triton.decode_attention  # noqa: F401  (registers logitless::decode_attention)
+        if decode_attention == "split_k":  # registers the op logitless::decode_attention (imports triton)
+            importlib.import_module("logitless.ops.triton.decode_attention")
         _check_int("sync_every", sync_every, 1)
         _check_int("cache_len_multiple", cache_len_multiple, 1)
         _check_int("max_cache_len", max_cache_len, 2, optional=True)
