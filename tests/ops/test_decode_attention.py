@@ -175,3 +175,40 @@ def test_default_split_length_spreads_few_rows_over_more_programs():
         assert all(da.MIN_SPLIT <= s <= da.MAX_SPLIT and s & (s - 1) == 0 for s in splits)
         programs = 8 * 2 * -(-length // splits[0])
         assert programs >= 2 * 132 or splits[0] == da.MIN_SPLIT  # a compacted bucket still fills an H200
+
+
+_COMPILE_FOR_H200 = """
+import importlib, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+da = importlib.import_module("logitless.ops.triton.decode_attention")
+for dtype, dim, group in (("bf16", 128, 7), ("bf16", 64, 7), ("fp16", 128, 6), ("fp32", 64, 3)):
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64"}
+    shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SPLITS=6, SPLIT_LEN=256)
+    for kernel, extra in ((da.decode_partial_kernel, dict(BLOCK_N=64, WIDE_DOT=dtype == "fp32")),
+                          (da.decode_merge_kernel, {})):
+        constexprs = {**shapes, **extra}
+        signature = {name: "constexpr" if name in constexprs else
+                     "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
+                     "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm["cubin"], (kernel.__name__, dtype, dim, group)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_an_h200():
+    """The interpreter does not compile: both kernels are built for sm_90 as on a GPU (Triton's
+    own ptxas, no device needed; in a fresh process without the interpreter), at Qwen2.5 head
+    shapes and each dtype, so a change that only a GPU compile rejects fails here too."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
