@@ -9,6 +9,10 @@
 #            completion {512,2048}, one group per micro-batch (issue 6's table)
 #   generation : bench_generation_libraries.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
 #   limits : largest G and completion length that fit, ours (update-only search) and TRL (probes)
+#   rollout_recipe : configs/qwen_grpo.yaml, 3 steps each: decode attention sdpa vs split_k, then
+#            split_k with the layers compiled for the update (compile=true): issue 14's step targets
+#   update_profile : bench_grpo.py --update-only --profile-update at 1.5B and 7B (G=8, 1024 + 512,
+#            prompt once), eager then compiled layers: where the update's time goes (issue 14, item 6)
 #   longgroup : the qwen_grpo recipe with 2 groups of G=16, 1024-token prompts and 1024-token
 #            completions (17408 packed tokens a group, past the dense-mask limit): prompt_sharing
 #            auto (picks flex by itself) against expanded (prompt_sharing=false), 3 steps each
@@ -67,6 +71,30 @@ longgroup)
         grep -h -o "Step [0-9]* |.*" "$out/grpo_longgroup_${mode}_metrics.txt" | tr '|' '\n' \
             | grep -E "^Step|prompt_sharing|step_time_s|time/|peak_memory_alloc" | tr '\n' ' ' | sed 's/Step/\nStep/g'
         echo
+    done ;;
+rollout_recipe)
+    for opts in "generation.decode_attention=sdpa" "generation.decode_attention=split_k" \
+                "generation.decode_attention=split_k compile=true"; do
+        tag=$(echo "$opts" | tr ' =.' '__-')
+        dir=/tmp/logitless_rollout_$tag
+        rm -rf "$dir"
+        # shellcheck disable=SC2086  # opts holds several overrides
+        timeout 180 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
+            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
+            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null \
+            max_steps=3 save_every_n_steps=1000 output_dir="$dir" $opts > "$out/grpo_rollout_$tag.log" 2>&1
+        echo "rollout_recipe $opts rc=$?"
+        cat "$dir"/logs/*.txt > "$out/grpo_rollout_${tag}_metrics.txt" 2>/dev/null
+        grep -h -o "Step [0-9]* |.*" "$out/grpo_rollout_${tag}_metrics.txt" | tr '|' '\n' \
+            | grep -E "^Step|step_time_s|time/|update_mfu|peak_memory_alloc" | tr '\n' ' ' | sed 's/Step/\nStep/g'
+        echo
+    done ;;
+update_profile)
+    for flag in "" --compile; do
+        name=${flag#--}
+        bench 270 --update-only --models 1.5b,7b --G 8 --prompt-len 1024 --completion-len 512 --micro-batch-size G \
+            --steps 1 --impls triton+prompt_once --profile-update $flag \
+            --out "$out/grpo_update_${name:-eager}.csv"
     done ;;
 generation)
     timeout 260 python3 benchmarks/bench_generation_libraries.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \
