@@ -4,6 +4,9 @@
 #   recipe : full_sft_single_device on Qwen2.5-0.5B (random weights, synthetic data), 3 steps, fused loss
 #   rows   : bench_sft.py, the four rows of issue 4 (0.5B 8x8192 and 2x32768; 7B 4x4096 with plain CE,
 #            7B 1x32768), every loss choice against torchtune's chunked CE and the no-head step
+#   compiled : issue 16's SFT target: 0.5B 8x8192 and 7B 1x32768 with every variant's layers compiled
+#            (--compile), our fused head (cuBLAS GEMMs, then LOGITLESS_HEAD_GEMM=triton) against torchtune's
+#            chunked CE compiled as its recipes' compile: True compiles it
 #   maxbatch : batch-size probes at 8192 tokens, Qwen2.5-0.5B: fused loss and torchtune's chunked CE
 set -uo pipefail
 out=${1:?usage: run_sft_gpu.sh OUT_DIR SECTION...}
@@ -28,6 +31,11 @@ rows)
     sft 150 --model qwen2_5_0_5b --batch 2 --seq 32768 --variants $v
     sft 200 --model qwen2_5_7b --batch 4 --seq 4096 --variants $v --plain
     sft 200 --model qwen2_5_7b --batch 1 --seq 32768 --variants $v ;;
+compiled)
+    v=no_head,torchtune_chunked_compiled,logitless_fused
+    sft 200 --model qwen2_5_0_5b --batch 8 --seq 8192 --compile --variants $v
+    LOGITLESS_HEAD_GEMM=triton sft 120 --model qwen2_5_0_5b --batch 8 --seq 8192 --compile --variants logitless_fused
+    sft 220 --model qwen2_5_7b --batch 1 --seq 32768 --compile --variants $v ;;
 maxbatch)  # probes around the batch that memory per sample predicts (doubling from 1 costs ~10x more)
     for b in 128 160; do sft 70 --model qwen2_5_0_5b --batch $b --seq 8192 --steps 1 --warmup 0 --variants logitless_fused; done
     for b in 16 20; do sft 50 --model qwen2_5_0_5b --batch $b --seq 8192 --steps 1 --warmup 0 --variants torchtune_chunked; done ;;
