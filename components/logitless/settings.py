@@ -7,8 +7,8 @@ variable, the value and what was expected. :func:`describe` renders the table th
 docs/CONTRACT.md lists.
 
 Workspace sizes and tile widths are read once, when :mod:`logitless.ops.triton.head` is imported
-(they size buffers); the switches (``chunked_compile``, ``triton_compact``, ``debug``) are read at
-every call.
+(they size buffers); the switches (``chunked_compile``, ``triton_compact``, ``head_gemm``, ``debug``) are
+read at every call.
 
 Example:
     >>> from logitless.settings import settings
@@ -48,6 +48,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
             raise ValueError(f"expected {expected}") from None
         if value < minimum:
             raise ValueError(f"expected {expected}")
+        return value
+
+    return parse
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in options:
+            raise ValueError(f"expected one of {options}")
         return value
 
     return parse
@@ -115,6 +125,18 @@ KNOBS: Dict[str, Knob] = {
         "LOGITLESS_TRITON_PROGRAMS_PER_SM", 8, _positive_int,
         "Programs per SM the epilogue grids aim for (rows x column splits): more splits keep small "
         "chunks streaming, for more partial results to merge."),
+    "head_gemm": Knob(
+        "LOGITLESS_HEAD_GEMM", "cublas", _choice("cublas", "triton", "auto"),
+        "GEMMs of impl='triton': 'cublas' (cuBLAS GEMMs over logits tiles, Triton epilogue kernels "
+        "between them), 'triton' (persistent Triton GEMMs with the statistics / dlogits / dW "
+        "accumulation in their epilogues: no logits workspace, no logits round trip; unmeasured), "
+        "'auto' (triton only at shapes a committed H200 measurement says it wins; none yet, so "
+        "cublas). Inputs a tensor descriptor cannot read (H * itemsize not a multiple of 16 bytes) "
+        "keep cublas."),
+    "head_gemm_programs_per_sm": Knob(
+        "LOGITLESS_HEAD_GEMM_PROGRAMS_PER_SM", 1, _positive_int,
+        "Persistent programs per SM of the Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton): more "
+        "hide epilogue latency behind another tile's main loop, for more registers and shared memory."),
     "triton_num_warps": Knob(
         "LOGITLESS_TRITON_NUM_WARPS", 4, _positive_int,
         "Warps per program of the epilogue kernels."),

@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 import torch
 
 from logitless.ops._rows import zero_ignored_rows
-from logitless.ops.triton import kernels
+from logitless.ops.triton import gemm_epilogues, kernels
 from logitless.settings import settings
 
 # Sizes and tile widths are read once, here (they size buffers); see logitless.settings for each
@@ -219,10 +219,18 @@ def _grads(ch, logits, h_c, idx_c, start, dh, dw, first):
         else:
             dh.index_copy_(0, idx_c, torch.matmul(logits, ch.weight))
     if dw is not None:
-        if first:
-            torch.matmul(logits.t(), h_c, out=dw)
-        else:
-            dw.addmm_(logits.t(), h_c)
+        _dw_update(dw, logits, h_c, ch.weight, first)
+
+
+def _dw_update(dw_slab, dl, h_b, weight, first):
+    # dW[slab] = dl.T @ h_b (first) or += it, one rounding to dW's dtype either way: the Triton dW
+    # GEMM (its accumulator starts from the dW tile) where enabled and dl's rows are aligned, else cuBLAS.
+    if gemm_epilogues.use(h_b, weight) and gemm_epilogues.supported(dl, dl):
+        gemm_epilogues.dw_accumulate(dw_slab, dl, h_b, accumulate=not first)
+    elif first:
+        torch.matmul(dl.t(), h_b, out=dw_slab)
+    else:
+        dw_slab.addmm_(dl.t(), h_b)
 
 
 def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,10 +304,29 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
     rows = n if idx is None else idx.numel()
     if rows == 0:
         return logp, ent, lse
-    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), budget)
-    buf = hidden.new_empty((block_rows * cols,))
     state = hidden.new_empty((rows, 3), dtype=torch.float32)
     z_y = hidden.new_zeros((rows,), dtype=torch.float32)
+    if gemm_epilogues.use(hidden, weight):
+        step = gemm_epilogues.stats_rows(vocab, hidden.dtype, budget)
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx[r0:r1])
+            gemm_epilogues.logits_stats(h_b, weight, labels, idx, r0, state, z_y, inv_t, ignore_index)
+    else:
+        _stats_over_tiles(hidden, weight, labels, idx, rows, state, z_y, inv_t, ignore_index, budget)
+    block = 1024
+    kernels.finalize_state_kernel[(-(-rows // block),)](
+        state, z_y, labels, idx if idx is not None else labels, logp, ent, lse, rows, ignore_index,
+        HAS_IDX=idx is not None, BLOCK=block, num_warps=4,
+    )
+    return logp, ent, lse
+
+
+def _stats_over_tiles(hidden, weight, labels, idx, rows, state, z_y, inv_t, ignore_index, budget):
+    # cuBLAS logits tiles in a reused buffer, row_stats + merge_slab folding each into `state`.
+    vocab = weight.shape[0]
+    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), budget)
+    buf = hidden.new_empty((block_rows * cols,))
     splits, span = _num_splits(block_rows, cols, hidden.device)
     part = hidden.new_empty((block_rows, splits, 3), dtype=torch.float32)
     ch = _Tile(splits, span, part)
@@ -319,12 +346,6 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
                 NUM_SPLITS=ch.splits, HAS_IDX=idx is not None, FIRST=v0 == 0, num_warps=1,
             )
         ch = _Tile(splits, span, part)
-    block = 1024
-    kernels.finalize_state_kernel[(-(-rows // block),)](
-        state, z_y, labels, idx if idx is not None else labels, logp, ent, lse, rows, ignore_index,
-        HAS_IDX=idx is not None, BLOCK=block, num_warps=4,
-    )
-    return logp, ent, lse
 
 
 class _Tile:
@@ -424,7 +445,10 @@ def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t
     if rows == 0 or not (need_dh or need_dw):
         return dh, dw
     block, cols = backward_tiles(rows, vocab, hid, hidden.element_size(), WORKSPACE_BYTES, need_dh)
-    buf = hidden.new_empty((block * cols,))
+    in_gemm = gemm_epilogues.use(hidden, weight)
+    # The Triton GEMMs read the dlogits through a tensor descriptor: 16-byte aligned row stride.
+    ld = gemm_epilogues.aligned_cols(cols, hidden.element_size()) if in_gemm else cols
+    buf = hidden.new_empty((block * ld,))
     dh32 = hidden.new_empty((block, hid), dtype=torch.float32) if need_dh else None
     for bi, r0 in enumerate(range(0, rows, block)):
         r1 = min(r0 + block, rows)
@@ -432,18 +456,20 @@ def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t
         h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx_b)
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
-            logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-            torch.matmul(h_b, weight[v0:v1].t(), out=logits)
-            tile = _Tile(*_num_splits(r1 - r0, v1 - v0, hidden.device), None)
-            _dlogits(tile, logits, idx_b, r0, labels, lse, ent, glp, gent, coef, inv_t,
-                     ignore_index, col0=v0)
+            if in_gemm:  # logits GEMM with the dlogits in its epilogue
+                logits = buf[: (r1 - r0) * ld].view(r1 - r0, ld)[:, : v1 - v0]
+                gemm_epilogues.logits_dlogits(h_b, weight[v0:v1], logits, labels, idx_b, r0, v0, lse,
+                                              ent, glp, gent, coef, inv_t, ignore_index)
+            else:
+                logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+                torch.matmul(h_b, weight[v0:v1].t(), out=logits)
+                tile = _Tile(*_num_splits(r1 - r0, v1 - v0, hidden.device), None)
+                _dlogits(tile, logits, idx_b, r0, labels, lse, ent, glp, gent, coef, inv_t,
+                         ignore_index, col0=v0)
             if need_dh:
                 _acc32(dh32[: r1 - r0], logits, weight[v0:v1], first=v0 == 0)
             if need_dw:
-                if bi == 0:
-                    torch.matmul(logits.t(), h_b, out=dw[v0:v1])
-                else:
-                    dw[v0:v1].addmm_(logits.t(), h_b)
+                _dw_update(dw[v0:v1], logits, h_b, weight, first=bi == 0)
         if need_dh:
             if idx is None:
                 dh[r0:r1].copy_(dh32[: r1 - r0])

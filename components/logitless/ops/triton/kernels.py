@@ -178,6 +178,40 @@ def finalize_kernel(
 
 
 @triton.jit
+def _row_coefficients(orow, valid, coef_ptr, glp_ptr, gent_ptr, ent_ptr, inv_t,
+                      MODE_CE: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+    """Per-row ``(c_lp, c_ent, ent)`` of the dlogits formula, 0 at ignored rows (scalar or vector rows).
+
+    ``c_lp = d obj / d logp / T`` (``-coef / T`` for cross-entropy), ``c_ent = d obj / d ent / T``.
+    """
+    zero = tl.where(valid, 0.0, 0.0)
+    if MODE_CE:
+        c_lp = zero - tl.load(coef_ptr).to(tl.float32)
+    elif HAS_GLP:
+        c_lp = tl.load(glp_ptr + orow, mask=valid, other=0.0).to(tl.float32)
+    else:
+        c_lp = zero
+    c_lp = tl.where(valid, c_lp, 0.0) * inv_t
+    c_ent = zero
+    ent = zero
+    if HAS_GENT:
+        c_ent = tl.where(valid, tl.load(gent_ptr + orow, mask=valid, other=0.0).to(tl.float32), 0.0) * inv_t
+        ent = tl.load(ent_ptr + orow, mask=valid, other=0.0)
+    return c_lp, c_ent, ent
+
+
+@triton.jit
+def _grad_logits(logp, hit, c_lp, c_ent, ent, valid, HAS_GENT: tl.constexpr):
+    """``c_lp (onehot - p) - c_ent p (log p + entropy)``, 0 at ignored rows; ``hit`` marks the label."""
+    p = tl.exp(logp)
+    g = tl.where(hit, c_lp, 0.0) - c_lp * p
+    if HAS_GENT:
+        g -= c_ent * p * (logp + ent)
+    # an ignored row's logits may be NaN (a NaN hidden row): 0 * NaN must not reach dW
+    return tl.where(valid, g, 0.0)
+
+
+@triton.jit
 def dlogits_kernel(
     logits_ptr, stride_row, labels_ptr, idx_ptr, row_offset, lse_ptr, ent_ptr,
     glp_ptr, gent_ptr, coef_ptr, V, col0, span, inv_t, ignore_index,
@@ -200,18 +234,8 @@ def dlogits_kernel(
     label = tl.load(labels_ptr + orow)
     valid = label != ignore_index
     lse = tl.load(lse_ptr + orow)
-    if MODE_CE:
-        c_lp = -tl.load(coef_ptr).to(tl.float32)
-    elif HAS_GLP:
-        c_lp = tl.load(glp_ptr + orow).to(tl.float32)
-    else:
-        c_lp = 0.0
-    c_lp = tl.where(valid, c_lp, 0.0) * inv_t
-    c_ent = 0.0
-    ent = 0.0
-    if HAS_GENT:
-        c_ent = tl.where(valid, tl.load(gent_ptr + orow).to(tl.float32), 0.0) * inv_t
-        ent = tl.load(ent_ptr + orow)
+    c_lp, c_ent, ent = _row_coefficients(orow, valid, coef_ptr, glp_ptr, gent_ptr, ent_ptr, inv_t,
+                                         MODE_CE, HAS_GLP, HAS_GENT)
     base = logits_ptr + row.to(tl.int64) * stride_row
     start = split * span
     offs = tl.arange(0, BLOCK_V)
@@ -221,12 +245,7 @@ def dlogits_kernel(
         x = tl.load(base + cols, mask=mask, other=0.0)
         # z - lse in float64 from the exact LSE: one rounding, at the size of log p
         logp = ((x.to(tl.float32) * inv_t).to(tl.float64) - lse).to(tl.float32)
-        p = tl.exp(logp)
-        g = tl.where(cols + col0 == label, c_lp, 0.0) - c_lp * p
-        if HAS_GENT:
-            g -= c_ent * p * (logp + ent)
-        # an ignored row's logits may be NaN (a NaN hidden row): 0 * NaN must not reach dW
-        g = tl.where(valid, g, 0.0)
+        g = _grad_logits(logp, cols + col0 == label, c_lp, c_ent, ent, valid, HAS_GENT)
         tl.store(base + cols, g.to(x.dtype), mask=mask)
 
 
@@ -286,16 +305,8 @@ def dlogits_t_kernel(
     label = tl.load(labels_ptr + cols, mask=col_ok, other=ignore_index)
     valid = (label != ignore_index) & col_ok
     lse = tl.load(lse_ptr + cols, mask=col_ok, other=0.0)
-    if MODE_CE:
-        c_lp = tl.zeros([BLOCK_R], tl.float32) - tl.load(coef_ptr).to(tl.float32)
-    elif HAS_GLP:
-        c_lp = tl.load(glp_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    else:
-        c_lp = tl.zeros([BLOCK_R], tl.float32)
-    c_lp = tl.where(valid, c_lp, 0.0) * inv_t
-    if HAS_GENT:
-        c_ent = tl.where(valid, tl.load(gent_ptr + cols, mask=col_ok, other=0.0).to(tl.float32), 0.0) * inv_t
-        ent = tl.load(ent_ptr + cols, mask=col_ok, other=0.0)
+    c_lp, c_ent, ent = _row_coefficients(cols, valid, coef_ptr, glp_ptr, gent_ptr, ent_ptr, inv_t,
+                                         MODE_CE, HAS_GLP, HAS_GENT)
     start = tl.program_id(1) * span
     end = tl.minimum(start + span, S)
     offs = tl.arange(0, BLOCK_S)
@@ -305,12 +316,8 @@ def dlogits_t_kernel(
         addr = rows.to(tl.int64)[:, None] * R + cols[None, :]
         x = tl.load(lt_ptr + addr, mask=mask, other=0.0)
         logp = ((x.to(tl.float32) * inv_t).to(tl.float64) - lse[None, :]).to(tl.float32)
-        p = tl.exp(logp)
         hit = (rows[:, None] + v0) == label[None, :]
-        g = tl.where(hit, c_lp[None, :], 0.0) - c_lp[None, :] * p
-        if HAS_GENT:
-            g -= c_ent[None, :] * p * (logp + ent[None, :])
-        g = tl.where(valid[None, :], g, 0.0)
+        g = _grad_logits(logp, hit, c_lp[None, :], c_ent[None, :], ent[None, :], valid[None, :], HAS_GENT)
         tl.store(out_ptr + addr, g.to(x.dtype), mask=mask)
 
 
