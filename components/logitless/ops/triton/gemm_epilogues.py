@@ -36,7 +36,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per kernel kind and input dtype.
 #: Unmeasured defaults (a 128 x 128 fp32 accumulator per 8 warps leaves registers for the
-#: epilogue); small tiles in the CPU interpreter, so that odd test shapes cross several tiles.
+#: epilogue); small tiles in the CPU interpreter, so that odd test shapes cross several tiles
+#: (and H = 16 pads the K loop).
 BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int]] = {
     ("logits", torch.bfloat16): (128, 128, 64, 8, 8, 3),
     ("logits", torch.float16): (128, 128, 64, 8, 8, 3),
@@ -45,7 +46,7 @@ BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int]] = {
     ("dw", torch.float16): (128, 128, 64, 8, 8, 3),
     ("dw", torch.float32): (64, 128, 32, 8, 8, 3),
 }
-_INTERPRETER_BLOCKS = (16, 16, 16, 2, 4, 1)
+_INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1)
 #: Persistent programs in the interpreter: fewer than tiles, so the round-robin loop is exercised.
 _INTERPRETER_PROGRAMS = 3
 #: Rows folded per program of :func:`merge_tiles_kernel`, V tiles per step.
