@@ -13,7 +13,9 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   ``training.compile_loss`` compiles the per-chunk upcast + loss, the chunk GEMMs stay eager),
   ``chunked`` / ``triton`` (``logitless`` ``impl=``; in ``obj``, ``linear_token_objective``:
   gradients in the forward), ``triton_fused`` (the one-pass 3-GEMM path of cross-entropy and
-  ``obj`` forced at every size), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
+  ``obj`` forced at every size), ``triton_hgemm`` / ``triton_fused_hgemm`` (``triton`` /
+  ``triton_fused`` with ``LOGITLESS_HEAD_GEMM=triton``: the Triton GEMMs with their epilogues
+  inside, forward and backward), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
   objective in torch, forward + recomputing backward), ``liger`` (Liger-Kernel fused linear CE),
   ``cce`` (Cut Cross-Entropy). Liger and CCE have no entropy output: they run ``ce`` and ``fwd``
   (log-probs only) and are marked n/a in ``logp`` and ``obj``. A peer that is not installed is
@@ -34,7 +36,8 @@ and entropy; the objective in ``obj``), dh and dW.
 
 Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
 SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--profile SHAPES`` (each path's GPU
-time split into GEMMs, epilogues, other kernels and idle), ``--plot CSV PNG``.
+time split into GEMMs, epilogues, other kernels and idle), ``--hgemm-sweep SHAPES`` (block sizes
+of the Triton head GEMMs), ``--hgemm-blocks`` (set them for a run), ``--plot CSV PNG``.
 
 Example:
     PYTHONPATH=components python benchmarks/bench_head.py --shapes qwen7b \
@@ -42,6 +45,7 @@ Example:
 """
 
 import argparse
+import contextlib
 import csv
 import datetime
 import math
@@ -60,8 +64,8 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "qwen05b": (16384, 896, 151936),
     "long": (32768, 3584, 152064),
 }
-IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_unfused", "liger",
-         "cce"]
+IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_hgemm",
+         "triton_fused_hgemm", "triton_unfused", "liger", "cce"]
 MODES = ["ce", "logp", "fwd", "obj"]
 IGN = -100
 # The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
@@ -173,6 +177,13 @@ def build(impl, mode):
 
     if mode == "obj":
         _grpo()  # constructed outside any torch.compile trace
+    if impl.endswith("_hgemm"):
+        if impl not in ("triton_hgemm", "triton_fused_hgemm"):
+            raise ValueError(f"unknown impl {impl!r}")
+        f = build(impl[: -len("_hgemm")], mode)
+        if not isinstance(f, str):
+            f = _with_triton_gemms(f)
+        return f
     if impl in ("torch", "compile"):
         f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent)}.get(mode, _plain_logp_ent)
         return torch.compile(f) if impl == "compile" else f
@@ -232,6 +243,21 @@ def build(impl, mode):
     raise ValueError(f"unknown impl {impl!r}")
 
 
+class _with_triton_gemms:
+    """``f`` whose step (forward and backward, see :func:`step`) runs with LOGITLESS_HEAD_GEMM=triton."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, *args):
+        return self.f(*args)
+
+    def context(self):
+        from logitless.settings import settings
+
+        return settings.override(head_gemm="triton")
+
+
 def _linear_obj(h, w, y, adv, old, impl):
     from logitless.ops import linear_token_objective
 
@@ -243,7 +269,14 @@ def step(f, mode, h, w, y, g1, g2):
     """One timed unit: forward (+ backward). Returns what the error check needs.
 
     ``g1``, ``g2``: upstream gradients of logp and ent (logp), advantages and old log-probs (obj).
+    ``f.context()``, when ``f`` has one, is entered around the whole step (knobs that the backward
+    reads too).
     """
+    with (f.context() if hasattr(f, "context") else contextlib.nullcontext()):
+        return _step(f, mode, h, w, y, g1, g2)
+
+
+def _step(f, mode, h, w, y, g1, g2):
     if mode == "fwd":
         with torch.no_grad():
             return f(h, w, y)
@@ -439,14 +472,17 @@ def micro(shape, reps=10):
 
 
 PROFILE_CASES = (("triton", "ce"), ("triton_fused", "ce"), ("triton", "logp"), ("triton", "fwd"),
-                 ("triton", "obj"), ("liger", "ce"), ("liger", "fwd"), ("chunked", "logp"),
+                 ("triton", "obj"), ("triton_hgemm", "ce"), ("triton_fused_hgemm", "ce"),
+                 ("triton_hgemm", "logp"), ("triton_hgemm", "fwd"), ("triton_hgemm", "obj"), ("liger", "ce"), ("liger", "fwd"), ("chunked", "logp"),
                  ("tt_compiled", "logp"), ("chunked", "fwd"), ("tt_compiled", "fwd"))
 _GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
+#: Triton kernels that are GEMMs (with their epilogues inside): logitless.ops.triton.gemm_epilogues.
+_TRITON_GEMMS = ("logits_stats_kernel", "logits_dlogits_kernel", "dw_accumulate_kernel")
 
 
 def _kernel_category(name):
     low = name.lower()
-    if any(k in low for k in _GEMM_NAMES):
+    if any(k in low for k in _GEMM_NAMES + _TRITON_GEMMS):
         return "gemm"
     if "_kernel" in low and not low.startswith(("void at::", "at::")):
         return "epilogue"  # the Triton kernels (ours, or a peer's)
@@ -594,6 +630,69 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
         torch.cuda.empty_cache()
 
 
+#: Block configurations of the Triton head GEMMs the sweep tries, bf16:
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); the first is the default.
+SWEEP_BLOCKS = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3),
+                (128, 128, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4)]
+#: Which kernel each sweep mode times: fwd (statistics GEMM), logp (dlogits GEMM), ce (dW GEMM).
+SWEEP_KINDS = (("stats", "fwd"), ("dlogits", "logp"), ("dw", "ce"))
+
+
+def parse_hgemm_blocks(spec):
+    """``"stats=128x256x64x8x8x3,dw=..."`` -> ``{kind: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)}``."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        kind, _, cfg = item.partition("=")
+        vals = tuple(int(x) for x in cfg.split("x")) if cfg else ()
+        if kind not in ("stats", "dlogits", "dw") or len(vals) != 6:
+            raise ValueError(f"--hgemm-blocks: expected KIND=MxNxKxGROUPxWARPSxSTAGES with KIND one of "
+                             f"stats, dlogits, dw; got {item!r}")
+        out[kind] = vals
+    return out
+
+
+def hgemm_sweep(shape, out=None, reps=5, ignore_frac=0.1):
+    """Block sizes and programs per SM of the Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton), bf16.
+
+    Each kernel kind is swept alone (the others at their defaults) in the mode that runs it:
+    statistics GEMM in ``fwd``, dlogits GEMM in ``logp``, dW GEMM in ``ce``; times in GEMMs of the
+    same run. Prints the table last, the fastest configuration per kind marked.
+    """
+    from logitless.ops.triton import gemm_epilogues
+    from logitless.settings import settings
+
+    h, w, y, g1, g2, _ = head_inputs(shape, torch.device("cuda"), "gaussian", 2.0, ignore_frac)
+    fields = ["shape", "kernel", "mode", "blocks", "programs_per_sm", "ms", "gemms", "peak_extra_gib", "note"]
+    rows = _Rows(out, fields)
+    defaults = dict(gemm_epilogues.BLOCKS)
+    for kind, mode in SWEEP_KINDS:
+        for cfg in SWEEP_BLOCKS:
+            for per_sm in (1, 2):
+                base = dict(shape=shape, kernel=kind, mode=mode, blocks="x".join(map(str, cfg)), programs_per_sm=per_sm)
+                gemm_epilogues.BLOCKS[(kind, torch.bfloat16)] = cfg
+                try:
+                    with settings.override(head_gemm_programs_per_sm=per_sm):
+                        r = measure("triton_hgemm", mode, build("triton_hgemm", mode), h, w, y, g1, g2, _NO_REF, reps, 1)
+                    rows.append(dict(base, ms=round(r["ms"], 3), gemms=round(r["gemms"], 3),
+                                     peak_extra_gib=round(r["peak_extra_gib"], 3), note=""))
+                except Exception as exc:  # e.g. a tile that needs more shared memory than the SM has
+                    rows.append(dict(base, note=f"{type(exc).__name__}: {exc}"[:100]))
+                finally:
+                    gemm_epilogues.BLOCKS.clear()
+                    gemm_epilogues.BLOCKS.update(defaults)
+                h.grad = w.grad = None
+                torch.cuda.empty_cache()
+    print(f"\n## hgemm sweep {shape} (bf16, {ignore_frac:g} ignored): GEMMs per step, * = fastest per kernel")
+    print("| kernel | mode | blocks (MxNxKxGxWxS) | programs/SM | ms | GEMMs | note |\n|---|---|---|---:|---:|---:|---|")
+    for kind, _ in SWEEP_KINDS:
+        timed = [r for r in rows if r["kernel"] == kind and "gemms" in r]
+        best = min(timed, key=lambda r: r["gemms"]) if timed else None
+        for r in (r for r in rows if r["kernel"] == kind):
+            mark = "*" if r is best else ""
+            print(f"| {kind} | {r['mode']} | {r['blocks']}{mark} | {r['programs_per_sm']} | {r.get('ms', '')} | "
+                  f"{r.get('gemms', '')} | {r['note']} |")
+
+
 def tradeoffs(shape, reps=5):
     """Workspace size vs speed, the cost of ignored rows, and epilogue launch shapes (triton only)."""
     from logitless.ops.triton import head
@@ -713,6 +812,10 @@ def main(argv=None):
     ap.add_argument("--micro", default="", help="shapes for the piecewise timing of the triton path")
     ap.add_argument("--tradeoffs", default="", help="shapes for workspace / ignored-rows / launch sweeps")
     ap.add_argument("--profile", default="", help="shapes for the GEMM / epilogue / idle split of each path")
+    ap.add_argument("--hgemm-sweep", default="", help="shapes for the block-size sweep of the Triton head GEMMs")
+    ap.add_argument("--hgemm-blocks", default="",
+                    help="block sizes of the Triton head GEMMs for this run, bf16: "
+                         "KIND=MxNxKxGROUPxWARPSxSTAGES,... (KIND: stats, dlogits, dw)")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
     ap.add_argument("--table", metavar="CSV", help="only print a results CSV as markdown tables")
     args = ap.parse_args(argv)
@@ -720,6 +823,15 @@ def main(argv=None):
         return plot(*args.plot)
     if args.table:
         return tables(args.table)
+    if args.hgemm_blocks:
+        from logitless.ops.triton import gemm_epilogues
+
+        for kind, cfg in parse_hgemm_blocks(args.hgemm_blocks).items():
+            gemm_epilogues.BLOCKS[(kind, torch.bfloat16)] = cfg
+    for shape in filter(None, args.hgemm_sweep.split(",")):
+        hgemm_sweep(shape, args.out, ignore_frac=args.ignore_frac)
+    if args.hgemm_sweep:
+        return
     for shape in filter(None, args.tradeoffs.split(",")):
         tradeoffs(shape)
     if args.tradeoffs:

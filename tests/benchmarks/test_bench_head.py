@@ -91,6 +91,37 @@ def test_triton_obj_matches_reference(bench, case, monkeypatch, impl, max_chunks
     _check(bench, case, impl, "obj")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("impl, mode, kernel", [
+    ("triton_hgemm", "logp", "logits_dlogits"),     # statistics GEMM, then dlogits GEMM in backward
+    ("triton_hgemm", "fwd", "logits_stats"),
+    ("triton_fused_hgemm", "obj", "dw_accumulate"),  # one pass: the dW GEMM accumulates over chunks
+])
+def test_hgemm_peers_run_the_triton_gemms(bench, case, monkeypatch, impl, mode, kernel):
+    # The knob must hold through the backward too (it runs after the peer's function returns).
+    from logitless.ops.triton import gemm_epilogues, head
+
+    calls = []
+    real = getattr(gemm_epilogues, kernel)
+    monkeypatch.setattr(gemm_epilogues, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", 3232)  # 8-row chunks: dW accumulated
+    if mode == "fwd":
+        h, w, y, g1, g2, adv, old, ref = case
+        logp, _ = bench.step(bench.build(impl, mode), mode, h, w, y, g1, g2)
+        assert bench.rel(logp, ref["logp"][0]) < TOL
+    else:
+        _check(bench, case, impl, mode)
+    assert calls
+    assert bench._kernel_category(f"{kernel}_kernel") == "gemm"
+
+
+def test_hgemm_blocks_parse_and_name_bad_input(bench):
+    assert bench.parse_hgemm_blocks("stats=128x256x64x8x8x3,dw=64x128x32x4x4x2") == {
+        "stats": (128, 256, 64, 8, 8, 3), "dw": (64, 128, 32, 4, 4, 2)}
+    with pytest.raises(ValueError, match="--hgemm-blocks.*'logits=128x128'"):
+        bench.parse_hgemm_blocks("logits=128x128")
+
+
 @pytest.mark.parametrize("impl", ["tt_chunked", "liger", "cce"])
 def test_obj_is_na_for_peers(bench, impl):
     assert isinstance(bench.build(impl, "obj"), str)

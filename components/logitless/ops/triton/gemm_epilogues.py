@@ -39,12 +39,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: epilogue); small tiles in the CPU interpreter, so that odd test shapes cross several tiles
 #: (and H = 16 pads the K loop).
 BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int]] = {
-    ("logits", torch.bfloat16): (128, 128, 64, 8, 8, 3),
-    ("logits", torch.float16): (128, 128, 64, 8, 8, 3),
-    ("logits", torch.float32): (64, 128, 32, 8, 8, 3),
-    ("dw", torch.bfloat16): (128, 128, 64, 8, 8, 3),
-    ("dw", torch.float16): (128, 128, 64, 8, 8, 3),
-    ("dw", torch.float32): (64, 128, 32, 8, 8, 3),
+    (kind, dtype): (64, 128, 32, 8, 8, 3) if dtype == torch.float32 else (128, 128, 64, 8, 8, 3)
+    for kind in ("stats", "dlogits", "dw") for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }
 _INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1)
 #: Persistent programs in the interpreter: fewer than tiles, so the round-robin loop is exercised.
@@ -57,14 +53,14 @@ def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int]
     """Tile shape and launch parameters of one kernel kind for one input dtype.
 
     Args:
-        kind (str): ``"logits"`` (both logits kernels) or ``"dw"``.
+        kind (str): ``"stats"``, ``"dlogits"`` (the two logits GEMMs) or ``"dw"``.
         dtype (torch.dtype): the inputs' dtype.
 
     Returns:
         Tuple[int, ...]: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
 
     Example:
-        >>> blocks("logits", torch.bfloat16)  # on a GPU
+        >>> blocks("stats", torch.bfloat16)  # on a GPU
         (128, 128, 64, 8, 8, 3)
     """
     return _INTERPRETER_BLOCKS if _INTERPRET else BLOCKS[(kind, dtype)]
@@ -360,7 +356,7 @@ def stats_rows(vocab: int, dtype: torch.dtype, budget: int) -> int:
         >>> stats_rows(152064, torch.bfloat16, 80 << 20)  # on a GPU: 1188 V tiles of 12 bytes a row
         5760
     """
-    block_m, block_n = blocks("logits", dtype)[:2]
+    block_m, block_n = blocks("stats", dtype)[:2]
     per_row = 12 * -(-vocab // block_n)
     return max(block_m, budget // per_row // block_m * block_m)
 
@@ -381,7 +377,7 @@ def logits_stats(h_b: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     """
     rows, hid = h_b.shape
     vocab = weight.shape[0]
-    bm, bn, bk, group, warps, stages = blocks("logits", h_b.dtype)
+    bm, bn, bk, group, warps, stages = blocks("stats", h_b.dtype)
     num_n = -(-vocab // bn)
     part = h_b.new_empty((3, num_n, rows), dtype=torch.float32)
     tiles = -(-rows // bm) * num_n
@@ -418,7 +414,7 @@ def logits_dlogits(h_b: torch.Tensor, w_slab: torch.Tensor, dl: torch.Tensor, la
     """
     rows, hid = h_b.shape
     vlen = w_slab.shape[0]
-    bm, bn, bk, group, warps, stages = blocks("logits", h_b.dtype)
+    bm, bn, bk, group, warps, stages = blocks("dlogits", h_b.dtype)
     tiles = -(-rows // bm) * -(-vlen // bn)
     progs = _programs(tiles, h_b.device)
     _launch_setup(h_b.device)

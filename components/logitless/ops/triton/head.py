@@ -163,7 +163,9 @@ class _Chunks:
         self.rows = hidden.shape[0] if idx is None else idx.numel()
         vocab = weight.shape[0]
         self.n_c = chunk_rows(self.rows - first, vocab, hidden.element_size(), budget)
-        self.buf = hidden.new_empty((self.n_c, vocab)) if self.rows > first else None
+        # Rows 16-byte aligned where the Triton dW GEMM reads the buffer through a tensor descriptor.
+        ld = gemm_epilogues.aligned_cols(vocab, hidden.element_size()) if gemm_epilogues.use(hidden, weight) else vocab
+        self.buf = hidden.new_empty((self.n_c, ld))[:, :vocab] if self.rows > first else None
         self.splits, self.span = _num_splits(self.n_c, vocab, hidden.device)
         self.part = hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
 
