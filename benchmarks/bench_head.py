@@ -631,21 +631,24 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
 
 
 #: Block configurations of the Triton head GEMMs the sweep tries, bf16:
-#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); the first is the default.
-SWEEP_BLOCKS = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3),
-                (128, 128, 64, 8, 4, 4), (64, 256, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4)]
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, warp_specialize); the first is the
+#: default. A configuration the compiler or the SM cannot run is reported, not fatal.
+SWEEP_BLOCKS = [(128, 128, 64, 8, 8, 3, 0), (128, 256, 64, 8, 8, 3, 0), (256, 128, 64, 8, 8, 3, 0),
+                (128, 128, 64, 8, 4, 4, 0), (64, 256, 64, 8, 4, 4, 0), (128, 64, 64, 8, 4, 4, 0),
+                (128, 128, 64, 8, 8, 3, 1), (128, 256, 64, 8, 8, 3, 1)]
 #: Which kernel each sweep mode times: fwd (statistics GEMM), logp (dlogits GEMM), ce (dW GEMM).
 SWEEP_KINDS = (("stats", "fwd"), ("dlogits", "logp"), ("dw", "ce"))
 
 
 def parse_hgemm_blocks(spec):
-    """``"stats=128x256x64x8x8x3,dw=..."`` -> ``{kind: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)}``."""
+    """``"stats=128x256x64x8x8x3x0,dw=..."`` -> ``{kind: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps,
+    stages, warp_specialize)}``."""
     out = {}
     for item in filter(None, spec.split(",")):
         kind, _, cfg = item.partition("=")
         vals = tuple(int(x) for x in cfg.split("x")) if cfg else ()
-        if kind not in ("stats", "dlogits", "dw") or len(vals) != 6:
-            raise ValueError(f"--hgemm-blocks: expected KIND=MxNxKxGROUPxWARPSxSTAGES with KIND one of "
+        if kind not in ("stats", "dlogits", "dw") or len(vals) != 7:
+            raise ValueError(f"--hgemm-blocks: expected KIND=MxNxKxGROUPxWARPSxSTAGESxWS with KIND one of "
                              f"stats, dlogits, dw; got {item!r}")
         out[kind] = vals
     return out
@@ -683,7 +686,7 @@ def hgemm_sweep(shape, out=None, reps=5, ignore_frac=0.1):
                 h.grad = w.grad = None
                 torch.cuda.empty_cache()
     print(f"\n## hgemm sweep {shape} (bf16, {ignore_frac:g} ignored): GEMMs per step, * = fastest per kernel")
-    print("| kernel | mode | blocks (MxNxKxGxWxS) | programs/SM | ms | GEMMs | note |\n|---|---|---|---:|---:|---:|---|")
+    print("| kernel | mode | blocks (MxNxKxGxWxSxWS) | programs/SM | ms | GEMMs | note |\n|---|---|---|---:|---:|---:|---|")
     for kind, _ in SWEEP_KINDS:
         timed = [r for r in rows if r["kernel"] == kind and "gemms" in r]
         best = min(timed, key=lambda r: r["gemms"]) if timed else None
@@ -815,7 +818,8 @@ def main(argv=None):
     ap.add_argument("--hgemm-sweep", default="", help="shapes for the block-size sweep of the Triton head GEMMs")
     ap.add_argument("--hgemm-blocks", default="",
                     help="block sizes of the Triton head GEMMs for this run, bf16: "
-                         "KIND=MxNxKxGROUPxWARPSxSTAGES,... (KIND: stats, dlogits, dw)")
+                         "KIND=MxNxKxGROUPxWARPSxSTAGESxWS,... (KIND: stats, dlogits, dw; WS: warp "
+                         "specialisation 0/1)")
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
     ap.add_argument("--table", metavar="CSV", help="only print a results CSV as markdown tables")
     args = ap.parse_args(argv)

@@ -116,8 +116,8 @@ def test_hgemm_peers_run_the_triton_gemms(bench, case, monkeypatch, impl, mode, 
 
 
 def test_hgemm_blocks_parse_and_name_bad_input(bench):
-    assert bench.parse_hgemm_blocks("stats=128x256x64x8x8x3,dw=64x128x32x4x4x2") == {
-        "stats": (128, 256, 64, 8, 8, 3), "dw": (64, 128, 32, 4, 4, 2)}
+    assert bench.parse_hgemm_blocks("stats=128x256x64x8x8x3x1,dw=64x128x32x4x4x2x0") == {
+        "stats": (128, 256, 64, 8, 8, 3, 1), "dw": (64, 128, 32, 4, 4, 2, 0)}
     with pytest.raises(ValueError, match="--hgemm-blocks.*'logits=128x128'"):
         bench.parse_hgemm_blocks("logits=128x128")
 

@@ -34,22 +34,24 @@ from logitless.settings import settings
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per kernel kind and input dtype.
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, warp_specialize) per kernel kind and
+#: input dtype; ``warp_specialize`` (0/1) asks Triton to split the tile loop into producer (TMA
+#: loads) and consumer (MMA + epilogue) warps where the compiler supports it.
 #: Unmeasured defaults (a 128 x 128 fp32 accumulator per 8 warps leaves registers for the
 #: epilogue); small tiles in the CPU interpreter, so that odd test shapes cross several tiles
 #: (and H = 16 pads the K loop).
-BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int]] = {
-    (kind, dtype): (64, 128, 32, 8, 8, 3) if dtype == torch.float32 else (128, 128, 64, 8, 8, 3)
+BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int, int]] = {
+    (kind, dtype): (64, 128, 32, 8, 8, 3, 0) if dtype == torch.float32 else (128, 128, 64, 8, 8, 3, 0)
     for kind in ("stats", "dlogits", "dw") for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }
-_INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1)
+_INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1, 0)
 #: Persistent programs in the interpreter: fewer than tiles, so the round-robin loop is exercised.
 _INTERPRETER_PROGRAMS = 3
 #: Rows folded per program of :func:`merge_tiles_kernel`, V tiles per step.
 _MERGE_ROWS, _MERGE_TILES = 64, 32
 
 
-def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int]:
+def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int, int]:
     """Tile shape and launch parameters of one kernel kind for one input dtype.
 
     Args:
@@ -57,11 +59,11 @@ def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int]
         dtype (torch.dtype): the inputs' dtype.
 
     Returns:
-        Tuple[int, ...]: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``.
+        Tuple[int, ...]: ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, warp_specialize)``.
 
     Example:
         >>> blocks("stats", torch.bfloat16)  # on a GPU
-        (128, 128, 64, 8, 8, 3)
+        (128, 128, 64, 8, 8, 3, 0)
     """
     return _INTERPRETER_BLOCKS if _INTERPRET else BLOCKS[(kind, dtype)]
 
@@ -185,14 +187,16 @@ def _logits_tile(h_desc, w_desc, off_m, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N
 
 @triton.jit
 def logits_stats_kernel(
-    h_ptr, w_ptr, part_ptr, zy_ptr, labels_ptr, idx_ptr, row0, M, V, K, stride_h, stride_w,
+    h_ptr, w_ptr, part_ptr, zy_ptr, labels_ptr, idx_ptr, row0, M, V, K, stride_h, stride_w, plane,
     inv_t, ignore_index,
     HAS_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent over the ``(M / BLOCK_M) x (V / BLOCK_N)`` tiles of ``z = h_b @ W.T * inv_t``.
 
-    ``part`` is fp32 ``(3, cdiv(V, BLOCK_N), M)`` (planes m, s, t; coalesced for the merge);
+    ``part`` is fp32 ``(3, cdiv(V, BLOCK_N), M)`` (planes m, s, t of ``plane`` elements; coalesced
+    for the merge);
     ``zy[row]`` gets the label's ``z`` from the tile holding it. Row ``r`` of ``h_b`` is the
     (compacted) row ``row0 + r``; its label is ``labels[idx[row0 + r]]`` (``HAS_IDX``) or
     ``labels[row0 + r]``.
@@ -203,8 +207,7 @@ def logits_stats_kernel(
                                        block_shape=[BLOCK_N, BLOCK_K])
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
-    plane = num_n.to(tl.int64) * M
-    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -235,13 +238,15 @@ def logits_stats_kernel(
 
 
 @triton.jit
-def merge_tiles_kernel(part_ptr, state_ptr, row0, M, num_tiles,
+def merge_tiles_kernel(part_ptr, state_ptr, row0, M, num_tiles, plane,
                        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
     """Grid ``(cdiv(M, BLOCK_R),)``: folds the V tiles' partials of rows ``[0, M)`` into
-    ``state[row0 + r] = (m, s, t)`` over the whole vocabulary (``finalize_state_kernel``'s input)."""
+    ``state[row0 + r] = (m, s, t)`` over the whole vocabulary (``finalize_state_kernel``'s input).
+
+    ``plane = num_tiles * M`` elements between the m, s and t planes (computed on the host: an
+    argument equal to 1 is a compile-time constant, on which ``.to`` does not exist)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
-    plane = num_tiles.to(tl.int64) * M
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
     t = tl.zeros([BLOCK_R], tl.float32)
@@ -270,6 +275,7 @@ def logits_dlogits_kernel(
     MODE_CE: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_IDX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent over the tiles of ``h_b @ W[col0:col0 + VLEN].T``; writes their dlogits to ``dl``.
 
@@ -282,7 +288,7 @@ def logits_dlogits_kernel(
                                        block_shape=[BLOCK_N, BLOCK_K])
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(VLEN, BLOCK_N)
-    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -313,6 +319,7 @@ def dw_accumulate_kernel(
     dl_ptr, h_ptr, dw_ptr, stride_dl, stride_h, stride_dw, VLEN, HID, ROWS,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent over the ``(VLEN / BLOCK_M) x (HID / BLOCK_N)`` tiles of ``dW[slab] (+)= dl.T @ h``.
 
@@ -327,7 +334,7 @@ def dw_accumulate_kernel(
                                         block_shape=[BLOCK_M, BLOCK_N])
     num_m = tl.cdiv(VLEN, BLOCK_M)
     num_n = tl.cdiv(HID, BLOCK_N)
-    for tile in range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -339,7 +346,7 @@ def dw_accumulate_kernel(
             a = dl_desc.load([k, off_m])
             b = h_desc.load([k, off_n])
             acc = _dot(a.T, b, acc, PRECISION)
-        dw_desc.store([off_m, off_n], acc.to(dw_desc.dtype))
+        dw_desc.store([off_m, off_n], acc.to(dw_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------- host side
@@ -377,7 +384,7 @@ def logits_stats(h_b: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     """
     rows, hid = h_b.shape
     vocab = weight.shape[0]
-    bm, bn, bk, group, warps, stages = blocks("stats", h_b.dtype)
+    bm, bn, bk, group, warps, stages, ws = blocks("stats", h_b.dtype)
     num_n = -(-vocab // bn)
     part = h_b.new_empty((3, num_n, rows), dtype=torch.float32)
     tiles = -(-rows // bm) * num_n
@@ -385,12 +392,13 @@ def logits_stats(h_b: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     _launch_setup(h_b.device)
     logits_stats_kernel[(progs,)](
         h_b, weight, part, z_y, labels, idx if idx is not None else labels, row0, rows, vocab, hid,
-        h_b.stride(0), weight.stride(0), inv_t, ignore_index,
+        h_b.stride(0), weight.stride(0), num_n * rows, inv_t, ignore_index,
         HAS_IDX=idx is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), num_warps=warps, num_stages=stages,
+        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), WARP_SPECIALIZE=bool(ws), num_warps=warps,
+        num_stages=stages,
     )
     merge_tiles_kernel[(-(-rows // _MERGE_ROWS),)](
-        part, state, row0, rows, num_n, BLOCK_R=_MERGE_ROWS, BLOCK_T=_MERGE_TILES, num_warps=4,
+        part, state, row0, rows, num_n, num_n * rows, BLOCK_R=_MERGE_ROWS, BLOCK_T=_MERGE_TILES, num_warps=4,
     )
 
 
@@ -414,7 +422,7 @@ def logits_dlogits(h_b: torch.Tensor, w_slab: torch.Tensor, dl: torch.Tensor, la
     """
     rows, hid = h_b.shape
     vlen = w_slab.shape[0]
-    bm, bn, bk, group, warps, stages = blocks("dlogits", h_b.dtype)
+    bm, bn, bk, group, warps, stages, ws = blocks("dlogits", h_b.dtype)
     tiles = -(-rows // bm) * -(-vlen // bn)
     progs = _programs(tiles, h_b.device)
     _launch_setup(h_b.device)
@@ -427,7 +435,8 @@ def logits_dlogits(h_b: torch.Tensor, w_slab: torch.Tensor, dl: torch.Tensor, la
         rows, vlen, col0, hid, inv_t, ignore_index,
         MODE_CE=coef is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,
         HAS_IDX=idx_b is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), num_warps=warps, num_stages=stages,
+        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), WARP_SPECIALIZE=bool(ws), num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -442,12 +451,13 @@ def dw_accumulate(dw_slab: torch.Tensor, dl: torch.Tensor, h_b: torch.Tensor, ac
     """
     vlen, hid = dw_slab.shape
     rows = h_b.shape[0]
-    bm, bn, bk, group, warps, stages = blocks("dw", h_b.dtype)
+    bm, bn, bk, group, warps, stages, ws = blocks("dw", h_b.dtype)
     tiles = -(-vlen // bm) * -(-hid // bn)
     progs = _programs(tiles, h_b.device)
     _launch_setup(h_b.device)
     dw_accumulate_kernel[(progs,)](
         dl, h_b, dw_slab, dl.stride(0), h_b.stride(0), dw_slab.stride(0), vlen, hid, rows,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), num_warps=warps, num_stages=stages,
+        NUM_PROGRAMS=progs, PRECISION=_precision(h_b.dtype), WARP_SPECIALIZE=bool(ws), num_warps=warps,
+        num_stages=stages,
     )
