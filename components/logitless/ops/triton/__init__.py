@@ -8,6 +8,8 @@ This package's public names; the code lives in its modules:
 * :mod:`~logitless.ops.triton.ops` -- the ``torch.library`` custom ops and their autograd;
 * :mod:`~logitless.ops.triton.head` -- the host side (tiling, workspaces, GEMM + epilogue schedule);
 * :mod:`~logitless.ops.triton.kernels` -- the Triton epilogue kernels;
+* :mod:`~logitless.ops.triton.gemm_epilogues` -- Triton GEMMs with those epilogues inside (opt-in,
+  ``LOGITLESS_HEAD_GEMM=triton``);
 * :mod:`~logitless.ops.triton.decode_attention` -- :func:`decode_attention`, split-K attention of one
   new token per row over a static KV cache (the compiled sampler's decode step), its kernels and
   its ``torch.library`` op (the package attribute of that name is the function; import the module

@@ -47,6 +47,8 @@ BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int, int]] 
 _INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1, 0)
 #: Persistent programs in the interpreter: fewer than tiles, so the round-robin loop is exercised.
 _INTERPRETER_PROGRAMS = 3
+#: Bytes of the statistics GEMM's per-launch buffers (partials, gathered rows): see :func:`stats_rows`.
+STATS_WORKSPACE_BYTES = 16 << 20
 #: Rows folded per program of :func:`merge_tiles_kernel`, V tiles per step.
 _MERGE_ROWS, _MERGE_TILES = 64, 32
 
@@ -350,21 +352,27 @@ def dw_accumulate_kernel(
 
 
 # ---------------------------------------------------------------------------------- host side
-def stats_rows(vocab: int, dtype: torch.dtype, budget: int) -> int:
-    """Rows per launch of :func:`logits_stats` so that its partials fit ``budget`` bytes.
+def stats_rows(vocab: int, hid: int, dtype: torch.dtype, gathered: bool, budget: int) -> int:
+    """Rows per launch of :func:`logits_stats`: its partials (and gathered rows) fit ``budget`` bytes.
+
+    The launch size hardly changes the weight's traffic (it is re-read once per ``GROUP_M`` row
+    tiles within a launch anyway), so launches are kept small (:data:`STATS_WORKSPACE_BYTES`):
+    the forward's extra memory is then these buffers, not logits tiles.
 
     Args:
-        vocab (int): V. dtype (torch.dtype): inputs' dtype. budget (int): bytes for the partials.
+        vocab (int): V. hid (int): H. dtype (torch.dtype): inputs' dtype.
+        gathered (bool): the launch's hidden rows are a gathered copy (compacted rows).
+        budget (int): bytes for the partials and the gathered rows.
 
     Returns:
         int: a multiple of ``BLOCK_M`` (at least one tile of rows).
 
     Example:
-        >>> stats_rows(152064, torch.bfloat16, 80 << 20)  # on a GPU: 1188 V tiles of 12 bytes a row
-        5760
+        >>> stats_rows(152064, 3584, torch.bfloat16, True, 16 << 20)  # GPU: 1188 tiles x 12 B + 7 KiB a row
+        768
     """
     block_m, block_n = blocks("stats", dtype)[:2]
-    per_row = 12 * -(-vocab // block_n)
+    per_row = 12 * -(-vocab // block_n) + (hid * dtype.itemsize if gathered else 0)
     return max(block_m, budget // per_row // block_m * block_m)
 
 

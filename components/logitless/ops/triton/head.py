@@ -22,6 +22,15 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   two passes above (4 GEMMs, dW rounded once per row block): more rounding steps of dW cost more
   accuracy than plain PyTorch's at 152k vocabularies (measured, docs/performance.md).
 
+With ``LOGITLESS_HEAD_GEMM=triton`` (:mod:`~logitless.ops.triton.gemm_epilogues`, opt-in until
+measured; per call, where the inputs' rows are 16-byte aligned) the same paths run Triton GEMMs
+with the epilogues inside: the forward's statistics come from ``logits_stats`` (no logits buffer:
+fp32 partials per 128-column tile and the gathered rows, at most 16 MiB per launch), the recompute
+backward's slabs from ``logits_dlogits`` (logits -> dlogits in registers, written once), and every
+``dW[slab] (+)= dl.T @ h`` from ``dw_accumulate``. Forward and backward must run under the same
+setting: the Triton forward's LSE is taken from fp32 logits, the cuBLAS backward's probabilities
+from logits rounded to the input dtype, which then do not sum to 1.
+
 Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTES``, 224 MiB;
 ``F`` = ``FORWARD_WORKSPACE_BYTES``, 80 MiB)::
 
@@ -309,7 +318,8 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
     state = hidden.new_empty((rows, 3), dtype=torch.float32)
     z_y = hidden.new_zeros((rows,), dtype=torch.float32)
     if gemm_epilogues.use(hidden, weight):
-        step = gemm_epilogues.stats_rows(vocab, hidden.dtype, budget)
+        step = gemm_epilogues.stats_rows(vocab, hidden.shape[1], hidden.dtype, idx is not None,
+                                         min(budget, gemm_epilogues.STATS_WORKSPACE_BYTES))
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
             h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx[r0:r1])
