@@ -236,3 +236,56 @@ def test_token_objective_knob_on_equals_knob_off(monkeypatch, launches):
         for a, b in zip(outs["triton"], outs["cublas"]):
             assert _rel(a, b) < 2e-2
     assert all(launches[k] > 0 for k in KERNELS), dict(launches)
+
+
+_COMPILE_FOR_H200 = """
+import importlib, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+hg = importlib.import_module("logitless.ops.triton.gemm_epilogues")
+ROWS = {"labels_ptr": "i64", "idx_ptr": "i64", "lse_ptr": "fp64", "part_ptr": "fp32", "zy_ptr": "fp32"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNELS = (("stats", hg.logits_stats_kernel, dict(HAS_IDX=True)),
+           ("dlogits", hg.logits_dlogits_kernel, dict(MODE_CE=False, HAS_GLP=True, HAS_GENT=True, HAS_IDX=True)),
+           ("dlogits", hg.logits_dlogits_kernel, dict(MODE_CE=True, HAS_GLP=False, HAS_GENT=False, HAS_IDX=False)),
+           ("dw", hg.dw_accumulate_kernel, dict(ACCUMULATE=True)))
+for dtype, torch_dtype in DTYPES.items():
+    for ws in (0, 1):
+        for kind, kernel, extra in KERNELS:
+            bm, bn, bk, group, warps, stages, _ = hg.BLOCKS[(kind, torch_dtype)]
+            constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, NUM_PROGRAMS=132,
+                              PRECISION=hg._precision(torch_dtype), WARP_SPECIALIZE=bool(ws), **extra)
+            signature = {name: "constexpr" if name in constexprs else
+                         "*" + ROWS.get(name, dtype) if name.endswith("_ptr") else
+                         "fp32" if name == "inv_t" else "i64" if name in ("row0", "plane") else "i32"
+                         for name in kernel.arg_names}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+            ptx = compiled.asm["ptx"]
+            name = (kernel.__name__, dtype, ws)
+            assert "cp.async.bulk.tensor" in ptx, ("no TMA load", name)
+            assert dtype == "fp32" or "wgmma.mma_async" in ptx, ("no wgmma", name)
+            assert "st.local" not in ptx, ("register spills", name)
+merge = triton.compile(ASTSource(fn=hg.merge_tiles_kernel, signature={
+    n: "constexpr" if n.startswith("BLOCK") else "*fp32" if n.endswith("_ptr") else "i64" if n in ("row0", "plane")
+    else "i32" for n in hg.merge_tiles_kernel.arg_names}, constexprs=dict(BLOCK_R=64, BLOCK_T=32)),
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+assert merge.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_an_h200():
+    """The interpreter does not compile: every kernel is built for sm_90 as on an H200 (Triton's own
+    ptxas, no device; a fresh process without the interpreter) at the default blocks of each dtype,
+    with and without warp specialisation; bf16/fp16 must load through TMA into wgmma, none may spill."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

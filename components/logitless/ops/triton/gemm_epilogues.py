@@ -70,14 +70,11 @@ def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int,
     return _INTERPRETER_BLOCKS if _INTERPRET else BLOCKS[(kind, dtype)]
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether ``LOGITLESS_HEAD_GEMM`` asks for these kernels on ``device``.
+def enabled() -> bool:
+    """Whether ``LOGITLESS_HEAD_GEMM`` asks for these kernels.
 
     ``"cublas"``: never. ``"triton"``: always (where :func:`supported`). ``"auto"``: only where a
-    committed measurement says they win; none exists yet, so ``"auto"`` is ``"cublas"``.
-
-    Args:
-        device (torch.device): where the head runs.
+    committed H200 measurement says they win; none exists yet, so ``"auto"`` is ``"cublas"``.
 
     Returns:
         bool: use the Triton GEMMs (subject to :func:`supported`).
@@ -111,7 +108,7 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def use(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """:func:`enabled` and :func:`supported`: the per-call choice of the host code."""
-    return enabled(hidden.device) and supported(hidden, weight)
+    return enabled() and supported(hidden, weight)
 
 
 def aligned_cols(cols: int, itemsize: int) -> int:
