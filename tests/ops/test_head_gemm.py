@@ -245,6 +245,7 @@ from triton.compiler import ASTSource
 hg = importlib.import_module("logitless.ops.triton.gemm_epilogues")
 ROWS = {"labels_ptr": "i64", "idx_ptr": "i64", "lse_ptr": "fp64", "part_ptr": "fp32", "zy_ptr": "fp32"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ONES = ("M", "ROWS", "row0", "col0", "num_tiles", "plane")
 KERNELS = (("stats", hg.logits_stats_kernel, dict(HAS_IDX=True)),
            ("dlogits", hg.logits_dlogits_kernel, dict(MODE_CE=False, HAS_GLP=True, HAS_GENT=True, HAS_IDX=True)),
            ("dlogits", hg.logits_dlogits_kernel, dict(MODE_CE=True, HAS_GLP=False, HAS_GENT=False, HAS_IDX=False)),
@@ -266,11 +267,17 @@ for dtype, torch_dtype in DTYPES.items():
             assert "cp.async.bulk.tensor" in ptx, ("no TMA load", name)
             assert dtype == "fp32" or "wgmma.mma_async" in ptx, ("no wgmma", name)
             assert "st.local" not in ptx, ("register spills", name)
-merge = triton.compile(ASTSource(fn=hg.merge_tiles_kernel, signature={
-    n: "constexpr" if n.startswith("BLOCK") else "*fp32" if n.endswith("_ptr") else "i64" if n in ("row0", "plane")
-    else "i32" for n in hg.merge_tiles_kernel.arg_names}, constexprs=dict(BLOCK_R=64, BLOCK_T=32)),
-    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-assert merge.asm["cubin"]
+            # Triton makes an integer argument equal to 1 a compile-time constant (one row, one tile)
+            ones = {n: 1 for n in ONES if n in kernel.arg_names}
+            triton.compile(ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(ones, "constexpr")},
+                                     constexprs={**constexprs, **ones}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+for ones in ({}, {n: 1 for n in ONES if n in hg.merge_tiles_kernel.arg_names}):
+    merge = triton.compile(ASTSource(fn=hg.merge_tiles_kernel, signature={
+        n: "constexpr" if n.startswith("BLOCK") or n in ones else "*fp32" if n.endswith("_ptr") else
+        "i64" if n in ("row0", "plane") else "i32" for n in hg.merge_tiles_kernel.arg_names},
+        constexprs=dict(BLOCK_R=64, BLOCK_T=32, **ones)), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert merge.asm["cubin"]
 print("compiled")
 """
 
@@ -278,7 +285,8 @@ print("compiled")
 def test_kernels_compile_for_an_h200():
     """The interpreter does not compile: every kernel is built for sm_90 as on an H200 (Triton's own
     ptxas, no device; a fresh process without the interpreter) at the default blocks of each dtype,
-    with and without warp specialisation; bf16/fp16 must load through TMA into wgmma, none may spill."""
+    with and without warp specialisation, and with the arguments that can be 1 (one row, one V tile)
+    as the constants Triton then makes of them; bf16/fp16 must load through TMA into wgmma, none may spill."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     import os
     import subprocess
