@@ -297,3 +297,24 @@ def test_kernels_compile_for_an_h200():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_scratch_allocator_is_set_in_every_thread():
+    """Device-side tensor descriptors take global scratch from Triton's allocator, a context variable:
+    autograd runs CUDA backwards on its own threads, which do not see one set in the forward's thread.
+    Each thread that launches must find one (set here only where none is; no GPU needed to check)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    seen = {}
+
+    def launch_setup(name):
+        gemm_epilogues._launch_setup(torch.device("cuda"))
+        seen[name] = _allocation._allocator.get()
+
+    for name in ("forward", "backward"):
+        thread = threading.Thread(target=launch_setup, args=(name,))
+        thread.start()
+        thread.join()
+    assert not any(isinstance(a, _allocation.NullAllocator) for a in seen.values()), seen

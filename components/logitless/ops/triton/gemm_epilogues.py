@@ -117,24 +117,25 @@ def aligned_cols(cols: int, itemsize: int) -> int:
     return -(-cols // per) * per
 
 
-_ALLOCATOR_SET = False
+def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    # torch's caching allocator (graph-capture safe), on the current device
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _launch_setup(device: torch.device) -> None:
     # Device-side tensor descriptors on sm_90 need a little global scratch per program, which
-    # Triton takes from its allocator; set one (torch's caching allocator) unless the user has.
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET or device.type != "cuda":
+    # Triton takes from its allocator: a context variable, so per thread (autograd runs CUDA
+    # backwards on its own threads). Set torch's where none is set; a user's own stays.
+    if device.type != "cuda":
         return
     try:
         from triton.runtime import _allocation
 
-        user_set = type(_allocation._allocator.get()).__name__ != "NullAllocator"
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
     except (ImportError, AttributeError):
-        user_set = False
-    if not user_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-    _ALLOCATOR_SET = True
+        unset = True
+    if unset:
+        triton.set_allocator(_scratch)
 
 
 def _programs(tiles: int, device: torch.device) -> int:
