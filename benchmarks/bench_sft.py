@@ -238,7 +238,10 @@ def main() -> None:
         variants.append("torchtune_plain")
     import torch
 
+    from logitless.settings import settings
+
     dev_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    head_gemm = settings.head_gemm  # LOGITLESS_HEAD_GEMM, inherited by every variant's process
     rows = []
     for v in variants:
         r = _spawn(a, v, a.batch)
@@ -255,7 +258,7 @@ def main() -> None:
     out = Path(a.out) if a.out else RESULTS / f"sft_{a.model}_{dev_name.replace(' ', '_')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["model", "batch", "seq", "tokens", "variant", "status", "peak_gib", "step_ms", "tokens_per_s",
-              "head_mem_gib", "head_ms", "max_batch", "ac", "compile", "dtype", "device", "torch", "date"]
+              "head_mem_gib", "head_ms", "max_batch", "ac", "compile", "head_gemm", "dtype", "device", "torch", "date"]
     fields = _add_columns(out, fields)
     new = not out.exists()
     with open(out, "a", newline="") as fh:
@@ -264,7 +267,7 @@ def main() -> None:
             w.writeheader()
         for r in rows:
             w.writerow({**r, "model": a.model, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq,
-                        "ac": a.ac, "compile": a.compile, "dtype": a.dtype, "device": dev_name, "torch": torch.__version__,
+                        "ac": a.ac, "compile": a.compile, "head_gemm": head_gemm, "dtype": a.dtype, "device": dev_name, "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d %H:%M"), "max_batch": r.get("max_batch", "")})
     print("\n| variant | peak GiB | step ms | head GiB | head ms |\n|---|---|---|---|---|")
     for r in rows:
