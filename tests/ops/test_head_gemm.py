@@ -318,3 +318,31 @@ def test_scratch_allocator_is_set_in_every_thread():
         thread.start()
         thread.join()
     assert not any(isinstance(a, _allocation.NullAllocator) for a in seen.values()), seen
+
+
+def test_backward_runs_the_gemms_its_forward_ran_whatever_the_knob_says_then(launches):
+    """The Triton forward's statistics come from fp32 logits, the cuBLAS backward's probabilities from
+    logits rounded to the input dtype: mixed, they do not sum to 1. A forward under
+    ``settings.override(head_gemm="triton")`` whose backward runs after the block keeps the Triton
+    GEMMs for its backward (and the other way round)."""
+    hidden, weight, labels = _inputs(37, 64, 257, torch.bfloat16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    g1, g2 = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    with settings.override(head_gemm="triton"):
+        expected = _log_probs_and_grads(hidden, weight, labels, 0.7, g1, g2)
+    launches.clear()
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    with settings.override(head_gemm="triton"):
+        logp, ent = logitless.linear_log_probs(h, w, labels, temperature=0.7, impl="triton")
+    ((logp * g1.to(logp)).sum() + (ent * g2.to(ent)).sum()).backward()  # knob back at cublas
+    assert launches["logits_dlogits"] > 0 and launches["dw_accumulate"] > 0
+    torch.testing.assert_close(h.grad, expected[2], rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, expected[3], rtol=0, atol=0)
+
+    launches.clear()
+    h.grad = w.grad = None
+    logp, ent = logitless.linear_log_probs(h, w, labels, temperature=0.7, impl="triton")  # cublas forward
+    with settings.override(head_gemm="triton"):
+        ((logp * g1.to(logp)).sum() + (ent * g2.to(ent)).sum()).backward()
+    assert sum(launches.values()) == 0

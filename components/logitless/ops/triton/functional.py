@@ -18,7 +18,15 @@ from typing import Optional, Tuple
 import torch
 
 from logitless.ops import _validate
+from logitless.settings import settings
 from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch.library ops)
+
+
+@torch.compiler.assume_constant_result
+def _head_gemm() -> str:
+    """``LOGITLESS_HEAD_GEMM`` as this call sees it, handed to the forward op, whose backward then runs
+    the same GEMMs whenever it runs (under ``torch.compile``: the value when the graph was traced)."""
+    return settings.head_gemm
 
 __all__ = ["linear_cross_entropy", "linear_log_probs"]
 
@@ -87,7 +95,8 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
     need_dh = hidden2d.requires_grad and torch.is_grad_enabled()
     need_dw = weight.requires_grad and torch.is_grad_enabled()
     if reduction == "none":
-        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw, nv)[0]
+        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw, nv,
+                                                   _head_gemm())[0]
         return -logp
     if need_dh or need_dw:
         return torch.ops.logitless.triton_ce_fused(h, w, y, ignore_index, t, reduction == "mean",
@@ -125,5 +134,6 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
     h, w, y = _prep(hidden2d, weight, labels1d)
     for_backward = torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad)
     logp, ent, _ = torch.ops.logitless.triton_head_fwd(
-        h, w, y, ignore_index, float(temperature), for_backward, -1 if n_valid is None else int(n_valid))
+        h, w, y, ignore_index, float(temperature), for_backward, -1 if n_valid is None else int(n_valid),
+        _head_gemm())
     return logp, (ent if return_entropy else None)

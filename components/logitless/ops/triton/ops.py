@@ -14,27 +14,37 @@ Two backward regimes:
   upstream gradients; the backward recomputes the logits chunk by chunk (four GEMMs).
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from logitless.ops.triton import head
+from logitless.settings import settings
+
+
+def _head_gemm(mode: str):
+    """``settings.override(head_gemm=mode)`` for one op call; ``""``: the setting as it is."""
+    return settings.override(head_gemm=mode) if mode else contextlib.nullcontext()
 
 
 @torch.library.custom_op("logitless::triton_head_fwd", mutates_args=())
 def head_fwd(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
              temperature: float, for_backward: bool = False,
-             n_valid: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
+             n_valid: int = -1, head_gemm: str = "") -> Tuple[Tensor, Tensor, Tensor]:
     """Returns ``(logp, ent, lse)`` of shape ``(N,)`` (fp32, fp32, float64); see :func:`head.head_forward`.
 
     ``n_valid``: the caller's count of non-ignored labels (-1: unknown, counted with a sync).
+    ``head_gemm``: ``LOGITLESS_HEAD_GEMM`` for this call (``""``: the current setting); autograd
+    hands the same value to the backward, which must run the GEMMs its forward ran.
     """
-    return head.head_forward(hidden, weight, labels, ignore_index, temperature, for_backward, n_valid)
+    with _head_gemm(head_gemm):
+        return head.head_forward(hidden, weight, labels, ignore_index, temperature, for_backward, n_valid)
 
 
 @head_fwd.register_fake
-def _(hidden, weight, labels, ignore_index, temperature, for_backward=False, n_valid=-1):
+def _(hidden, weight, labels, ignore_index, temperature, for_backward=False, n_valid=-1, head_gemm=""):
     n = hidden.shape[0]
     return (hidden.new_empty((n,), dtype=torch.float32), hidden.new_empty((n,), dtype=torch.float32),
             hidden.new_empty((n,), dtype=torch.float64))
@@ -44,15 +54,16 @@ def _(hidden, weight, labels, ignore_index, temperature, for_backward=False, n_v
 def head_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, ent: Tensor,
              g_logp: Optional[Tensor], g_ent: Optional[Tensor], ignore_index: int,
              temperature: float, need_dh: bool, need_dw: bool,
-             n_valid: int = -1) -> Tuple[Tensor, Tensor]:
-    """Returns ``(dh, dw)``; see :func:`head.head_backward`."""
-    return head.head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index,
-                              temperature, need_dh, need_dw, n_valid)
+             n_valid: int = -1, head_gemm: str = "") -> Tuple[Tensor, Tensor]:
+    """Returns ``(dh, dw)``; see :func:`head.head_backward`. ``head_gemm``: as in :func:`head_fwd`."""
+    with _head_gemm(head_gemm):
+        return head.head_backward(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index,
+                                  temperature, need_dh, need_dw, n_valid)
 
 
 @head_bwd.register_fake
 def _(hidden, weight, labels, lse, ent, g_logp, g_ent, ignore_index, temperature, need_dh, need_dw,
-      n_valid=-1):
+      n_valid=-1, head_gemm=""):
     return (torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_dw else weight.new_empty((0,)))
 
@@ -71,16 +82,18 @@ def _head_setup(ctx, inputs, output):
     ctx.ignore_index, ctx.temperature = ignore_index, temperature
     # The forward's count of valid rows: the backward compacts them again without a host sync.
     ctx.n_valid = inputs[6] if len(inputs) > 6 else -1
+    # The GEMMs the forward ran (the knob may change before the backward runs).
+    ctx.head_gemm = (inputs[7] if len(inputs) > 7 else "") or settings.head_gemm
 
 
 def _head_backward(ctx, g_logp, g_ent, g_lse):
     hidden, weight, labels, lse, ent = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if (g_logp is None and g_ent is None) or not (need_dh or need_dw):
-        return (None,) * 7
+        return (None,) * 8
     dh, dw = head_bwd(hidden, weight, labels, lse, ent, _upstream(g_logp), _upstream(g_ent),
-                      ctx.ignore_index, ctx.temperature, need_dh, need_dw, ctx.n_valid)
-    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None
+                      ctx.ignore_index, ctx.temperature, need_dh, need_dw, ctx.n_valid, ctx.head_gemm)
+    return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None
 
 
 head_fwd.register_autograd(_head_backward, setup_context=_head_setup)
