@@ -2,7 +2,7 @@
 # The GRPO measurements of the closing notes, on one GPU (H200), in sections that fit one device call
 # each (every command under a timeout). PYTHONPATH must hold components/ and recipes/.
 #   config : configs/qwen_grpo.yaml (Qwen2.5-1.5B-Instruct architecture, random weights, synthetic
-#            prompts), two steps with each log-prob path: chunked, fused (triton), full logits (torch)
+#            prompts), two steps with each log-prob path: chunked, fused (triton), full logits (reference)
 #   step   : bench_grpo.py whole steps (fast sampler + update), G=16, 1024-token prompt, 512-token
 #            completions, every path incl. prompt once; then TRL's GRPOTrainer at the same setting
 #   grid   : bench_grpo.py --update-only over 0.5B/1.5B/7B x G {8,16} x prompt {256,1024} x
@@ -23,22 +23,32 @@ shift
 mkdir -p "$out"
 bench() { timeout "$1" python3 benchmarks/bench_grpo.py "${@:2}" 2>&1 | grep -v -i warn | tail -n 40; }
 trl() { timeout "$1" python3 benchmarks/bench_trl_grpo.py "${@:2}" --out "$out/trl_grpo.csv" 2>&1 | tail -n 1; }
+# recipe TAG SECONDS OVERRIDE...: configs/qwen_grpo.yaml on random weights and synthetic prompts, its log
+# in $out/grpo_TAG.log, its metrics in $out/grpo_TAG_metrics.txt; prints the exit status
+recipe() {
+    local tag=$1 limit=$2 dir=/tmp/logitless_grpo_$1
+    shift 2
+    rm -rf "$dir"
+    timeout "$limit" python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
+        model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
+        dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null \
+        save_every_n_steps=1000 output_dir="$dir" "$@" > "$out/grpo_$tag.log" 2>&1
+    echo "$tag rc=$?"
+    cat "$dir"/logs/*.txt > "$out/grpo_${tag}_metrics.txt" 2>/dev/null
+}
+# metrics TAG FIELDS: the logged fields matching the regex FIELDS, one line per step
+metrics() {
+    grep -h -o "Step [0-9]* |.*" "$out/grpo_$1_metrics.txt" | tr '|' '\n' | grep -E "^Step|$2" | tr '\n' ' ' \
+        | sed 's/Step/\nStep/g'
+    echo
+}
 
 for section in "$@"; do
 case $section in
 config)
-    for impl in chunked triton torch; do
-        dir=/tmp/logitless_grpo_$impl
-        rm -rf "$dir"
-        timeout 170 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
-            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null \
-            max_steps=2 save_every_n_steps=1000 output_dir="$dir" loss.impl=$impl > "$out/grpo_config_$impl.log" 2>&1
-        echo "config run impl=$impl rc=$?"
-        cat "$dir"/logs/*.txt > "$out/grpo_config_${impl}_metrics.txt" 2>/dev/null
-        grep -h -o "Step 2 |.*" "$out/grpo_config_${impl}_metrics.txt" | tr '|' '\n' \
-            | grep -E "step_time_s|peak|tokens_per_second|time/" | tr '\n' ' '
-        echo
+    for impl in chunked triton reference; do
+        recipe "config_$impl" 170 max_steps=2 loss.impl=$impl
+        metrics "config_$impl" "step_time_s|peak|tokens_per_second|time/"
     done ;;
 step)
     bench 330 --models 0.5b,1.5b --generator fast --steps 2 \
@@ -58,36 +68,16 @@ limits)
     trl 190 --model 0.5b --steps 1 --completion-len 4096 ;;
 longgroup)
     for mode in auto false; do
-        dir=/tmp/logitless_longgroup_$mode
-        rm -rf "$dir"
-        timeout 280 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
-            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset dataset.prompt_len=1024 \
-            eval_every_n_steps=null max_steps=3 save_every_n_steps=1000 output_dir="$dir" \
-            prompts_per_step=2 num_generations=16 micro_batch_size=16 generation.max_new_tokens=1024 \
-            prompt_sharing=$mode > "$out/grpo_longgroup_$mode.log" 2>&1
-        echo "longgroup prompt_sharing=$mode rc=$?"
-        cat "$dir"/logs/*.txt > "$out/grpo_longgroup_${mode}_metrics.txt" 2>/dev/null
-        grep -h -o "Step [0-9]* |.*" "$out/grpo_longgroup_${mode}_metrics.txt" | tr '|' '\n' \
-            | grep -E "^Step|prompt_sharing|step_time_s|time/|peak_memory_alloc" | tr '\n' ' ' | sed 's/Step/\nStep/g'
-        echo
+        recipe "longgroup_$mode" 280 dataset.prompt_len=1024 max_steps=3 prompts_per_step=2 num_generations=16 \
+            micro_batch_size=16 generation.max_new_tokens=1024 prompt_sharing=$mode
+        metrics "longgroup_$mode" "prompt_sharing|step_time_s|time/|peak_memory_alloc"
     done ;;
 rollout_recipe)
-    for opts in "generation.decode_attention=sdpa" "generation.decode_attention=split_k" \
-                "generation.decode_attention=split_k compile=true"; do
-        tag=$(echo "$opts" | tr ' =.' '__-')
-        dir=/tmp/logitless_rollout_$tag
-        rm -rf "$dir"
-        # shellcheck disable=SC2086  # opts holds several overrides
-        timeout 180 python3 -m grpo_single_device --config configs/qwen_grpo.yaml \
-            model_init=random tokenizer._component_=logitless.datasets.synthetic_tokenizer \
-            dataset._component_=logitless.rl.prompts.synthetic_prompt_dataset eval_every_n_steps=null \
-            max_steps=3 save_every_n_steps=1000 output_dir="$dir" $opts > "$out/grpo_rollout_$tag.log" 2>&1
-        echo "rollout_recipe $opts rc=$?"
-        cat "$dir"/logs/*.txt > "$out/grpo_rollout_${tag}_metrics.txt" 2>/dev/null
-        grep -h -o "Step [0-9]* |.*" "$out/grpo_rollout_${tag}_metrics.txt" | tr '|' '\n' \
-            | grep -E "^Step|step_time_s|time/|update_mfu|peak_memory_alloc" | tr '\n' ' ' | sed 's/Step/\nStep/g'
-        echo
+    recipe rollout_sdpa 180 max_steps=3 generation.decode_attention=sdpa
+    recipe rollout_split_k 180 max_steps=3 generation.decode_attention=split_k
+    recipe rollout_split_k_compiled 180 max_steps=3 generation.decode_attention=split_k compile=true
+    for tag in rollout_sdpa rollout_split_k rollout_split_k_compiled; do
+        echo "$tag"; metrics "$tag" "step_time_s|time/|update_mfu|peak_memory_alloc"
     done ;;
 update_profile)
     for flag in "" --compile; do
