@@ -39,3 +39,24 @@ def _interpreter_rounds_to_nearest_even():
     with pytest.MonkeyPatch.context() as mp:
         _round_like_the_gpu(mp)
         yield
+
+
+@pytest.fixture
+def compile_for_sm90():
+    """``compile_for_sm90(script)`` runs ``script`` (Python that builds kernels with ``triton.compile``
+    for ``GPUTarget("cuda", 90, 32)`` and prints "compiled") in a fresh process without the
+    interpreter: Triton's own ptxas, no device needed, so a change that only a GPU compile rejects
+    fails on the CPU too. Skips where Triton has no NVIDIA backend."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import os
+    import subprocess
+    import sys
+
+    def run(script: str, timeout: int = 600) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+    return run

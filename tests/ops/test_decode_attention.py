@@ -198,17 +198,8 @@ print("compiled")
 """
 
 
-def test_kernels_compile_for_an_h200():
+def test_kernels_compile_for_an_h200(compile_for_sm90):
     """The interpreter does not compile: both kernels are built for sm_90 as on a GPU (Triton's
     own ptxas, no device needed; in a fresh process without the interpreter), at Qwen2.5 head
     shapes and each dtype, so a change that only a GPU compile rejects fails here too."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_for_sm90(_COMPILE_FOR_H200)

@@ -282,21 +282,12 @@ print("compiled")
 """
 
 
-def test_kernels_compile_for_an_h200():
+def test_kernels_compile_for_an_h200(compile_for_sm90):
     """The interpreter does not compile: every kernel is built for sm_90 as on an H200 (Triton's own
     ptxas, no device; a fresh process without the interpreter) at the default blocks of each dtype,
     with and without warp specialisation, and with the arguments that can be 1 (one row, one V tile)
     as the constants Triton then makes of them; bf16/fp16 must load through TMA into wgmma, none may spill."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_for_sm90(_COMPILE_FOR_H200)
 
 
 def test_scratch_allocator_is_set_in_every_thread():
