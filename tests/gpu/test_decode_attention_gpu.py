@@ -63,20 +63,6 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
             assert err(other) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0)
 
 
-@pytest.fixture(scope="module")
-def two_layers():
-    """Qwen2.5-0.5B's layer and vocabulary shapes, two layers, fp32: a short compilation."""
-    from torchtune.models.qwen2._component_builders import qwen2
-
-    torch.manual_seed(1)
-    with torch.device("cuda"):
-        m = qwen2(vocab_size=151936, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896,
-                  intermediate_dim=4864, max_seq_len=2048, norm_eps=1e-6, rope_base=1e6, tie_word_embeddings=True)
-    with torch.no_grad():
-        m.tok_embeddings.weight.mul_(0.02)
-    return m.eval().requires_grad_(False)
-
-
 PROMPTS = [[(7 * i + 3 * p) % 5000 + 10 for i in range(200 + 50 * p)] for p in range(4)]
 
 

@@ -40,20 +40,6 @@ def test_greedy_compiled_equals_eager_token_for_token(model):
     torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=2e-3, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def two_layers():
-    """Qwen2.5-0.5B's layer and vocabulary shapes, two layers: a short compilation."""
-    from torchtune.models.qwen2._component_builders import qwen2
-
-    torch.manual_seed(1)
-    with torch.device("cuda"):
-        m = qwen2(vocab_size=151936, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896,
-                  intermediate_dim=4864, max_seq_len=2048, norm_eps=1e-6, rope_base=1e6, tie_word_embeddings=True)
-    with torch.no_grad():
-        m.tok_embeddings.weight.mul_(0.02)
-    return m.eval().requires_grad_(False)
-
-
 def test_counter_draws_are_reproducible_and_per_prompt(two_layers):
     model = two_layers
     kw = dict(max_new_tokens=32, stop_tokens=list(range(100, 151936, 40)), pad_id=0, num_generations=4,
