@@ -235,7 +235,6 @@ def test_kernels_round_bf16_to_nearest_even():
 
 # LOGITLESS_HEAD_GEMM=triton: the logits never leave the GEMM (fp32 in registers), one- and
 # two-digit row counts, H of 16 and 64, V of 9 (one tile), 257 and 1001 (several 32-column slabs).
-# one row, several row blocks, V slabs of an odd vocabulary (V=1001 costs ~20 s a case in the interpreter)
 HEAD_GEMM_SHAPES = [(1, 16, 9), (37, 16, 9), (37, 64, 257), (37, 16, 1001)]
 
 
