@@ -31,7 +31,6 @@ import csv
 import datetime
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
-from bench_generation import _gpu_name, _version, copy_bandwidth  # noqa: E402
+from bench_generation import _gpu_name, _table, _version, copy_bandwidth, results_csv  # noqa: E402
 from bench_sft import _add_columns  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
@@ -161,13 +160,8 @@ def bench(args):
     return rows_out, bandwidth
 
 
-def _table(rows):
-    cols = ["model", "rows", "filled", "method", "split_len", "block_n", "num_warps", "us", "roofline_us", "of_copy_bw",
-            "max_diff", "status"]
-    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
-    lines = ["  ".join(c.ljust(width[c]) for c in cols)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(width[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
+TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "block_n", "num_warps", "us", "roofline_us",
+                 "of_copy_bw", "max_diff", "status"]
 
 
 def _ints(text):
@@ -207,8 +201,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     gpu = _gpu_name(torch.device(args.device))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"decode_attention_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.csv")
+    out = args.out or results_csv("decode_attention", gpu)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows, bandwidth = bench(args)
     fields = _add_columns(Path(out), FIELDS)  # an older file gains new columns first
@@ -220,7 +213,7 @@ def main(argv=None):
         w.writerows(rows)
     print(f"\n{gpu} | torch {torch.__version__} | triton {_version('triton')} | copy {bandwidth / 1e9:.0f} GB/s | "
           f"cache {args.cache_len} columns | csv {out}")
-    print(_table(rows))
+    print(_table(rows, TABLE_COLUMNS))
     return 0
 
 
