@@ -38,13 +38,14 @@ Example:
 """
 
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from logitless.ops.dispatch import _interpreting
 
 __all__ = ["decode_attention", "decode_attention_reference", "default_split_len"]
 
@@ -188,10 +189,6 @@ def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132)
     target = rows * kv_heads * length / (PROGRAMS_PER_SM * num_sms)
     split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
     return max(MIN_SPLIT, min(MAX_SPLIT, split))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
