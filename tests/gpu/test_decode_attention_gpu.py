@@ -66,13 +66,13 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
 PROMPTS = [[(7 * i + 3 * p) % 5000 + 10 for i in range(200 + 50 * p)] for p in range(4)]
 
 
-def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_layers):
+def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_layers_varied):
     from torch._dynamo.utils import counters
 
     from logitless.rl.rollout import CompiledSampler
     from logitless.rl.rollout.eager import generate
 
-    model = two_layers
+    model = two_layers_varied
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
     stops = sorted({int(free.completion_tokens[4 * p, 8 + 10 * p]) for p in range(4)})
     kw = dict(max_new_tokens=48, stop_tokens=stops, pad_id=0, num_generations=4, temperature=0)
@@ -81,7 +81,7 @@ def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_la
     counters.clear()
     split_k = CompiledSampler(min_bucket=2, sync_every=4, decode_attention="split_k")(model, PROMPTS, **kw)
     assert counters["stats"]["unique_graphs"] == 1  # every bucket and filled length: one compilation
-    assert sdpa.completion_lengths.min() < sdpa.completion_lengths.max()  # compaction ran
+    assert len(set(sdpa.completion_lengths.tolist())) >= 3  # rows ended at several lengths: compaction ran
     assert torch.equal(split_k.completion_mask, sdpa.completion_mask)
     assert torch.equal(split_k.completion_tokens, sdpa.completion_tokens)
     torch.testing.assert_close(split_k.sampler_log_probs, sdpa.sampler_log_probs, atol=2e-3, rtol=0)

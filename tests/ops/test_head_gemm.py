@@ -182,14 +182,14 @@ def test_dw_gemm_rounds_once_like_addmm(dtype, accumulate):
     multiple of the block, a slab of dW not starting at row 0."""
     g = torch.Generator().manual_seed(6)
     rows, vocab, hid = 37, 75, 64
-    dl = torch.randn(rows, 80, generator=g).to(dtype)[:, :vocab]  # row stride 80: aligned
+    dl = torch.randn(rows, 80, generator=g).to(dtype).to(DEV)[:, :vocab]  # row stride 80: aligned
     h = torch.randn(rows, hid, generator=g).to(dtype)
     dw = torch.randn(vocab + 8, hid, generator=g).to(dtype)
-    exact = dw[8:].double() * accumulate + dl.double().t() @ h.double()
+    exact = dw[8:].double() * accumulate + dl.cpu().double().t() @ h.double()
     ours = dw.clone().to(DEV)
-    gemm_epilogues.dw_accumulate(ours[8:], dl.to(DEV), h.to(DEV), accumulate)
+    gemm_epilogues.dw_accumulate(ours[8:], dl, h.to(DEV), accumulate)
     plain = dw[8:].clone()
-    plain.addmm_(dl.t(), h, beta=float(accumulate))
+    plain.addmm_(dl.cpu().t(), h, beta=float(accumulate))
     assert torch.equal(ours[:8].cpu(), dw[:8])  # rows outside the slab untouched
     assert _rel(ours[8:], exact) <= 1.5 * _rel(plain, exact) + 1e-7
 
@@ -337,3 +337,15 @@ def test_backward_runs_the_gemms_its_forward_ran_whatever_the_knob_says_then(lau
     with settings.override(head_gemm="triton"):
         ((logp * g1.to(logp)).sum() + (ent * g2.to(ent)).sum()).backward()
     assert sum(launches.values()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dw_gemm_refuses_a_row_stride_tma_cannot_read(dtype):
+    """dl with 75 columns packed (75 * itemsize bytes a row, not a multiple of 16): a clear error
+    naming the argument before any launch, never a GEMM over misread rows."""
+    dl = torch.randn(37, 75, device=DEV).to(dtype)
+    h = torch.randn(37, 64, device=DEV).to(dtype)
+    dw = torch.zeros(75, 64, device=DEV, dtype=dtype)
+    with pytest.raises(ValueError, match=r"dw_accumulate: dl of shape \(37, 75\), strides \(75, 1\)"):
+        gemm_epilogues.dw_accumulate(dw, dl, h, accumulate=False)
+    assert (dw == 0).all()

@@ -207,7 +207,7 @@ def test_generation_decode_attention_is_checked_from_yaml():
 
     assert validate_grpo_config(qwen("generation.decode_attention=split_k")).generation.decode_attention == "split_k"
     with pytest.raises(ConfigError, match="config key 'generation': decode_attention must be one of "
-                                          "\\('sdpa', 'split_k'\\), got 'flash'"):
+                                          "\\('auto', 'sdpa', 'split_k'\\), got 'flash'"):
         validate_grpo_config(qwen("generation.decode_attention=flash"))
 
 

@@ -120,6 +120,6 @@ def test_compiled_sampler_options_pass_through_from_yaml():
 def test_decode_attention_reaches_the_sampler_from_yaml():
     train, evaluation = build_sampler({"backend": "compiled", "decode_attention": "split_k"}, torch.device("cpu"))
     assert train.decode_attention == evaluation.decode_attention == "split_k"
-    assert build_sampler({"backend": "compiled"}, torch.device("cpu"))[0].decode_attention == "sdpa"
-    with pytest.raises(ValueError, match="decode_attention must be one of \\('sdpa', 'split_k'\\), got 'flash'"):
+    assert build_sampler({"backend": "compiled"}, torch.device("cpu"))[0].decode_attention == "auto"
+    with pytest.raises(ValueError, match="decode_attention must be one of \\('auto', 'sdpa', 'split_k'\\), got 'flash'"):
         build_sampler({"backend": "compiled", "decode_attention": "flash"}, torch.device("cpu"))

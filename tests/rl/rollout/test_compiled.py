@@ -281,12 +281,24 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
     (dict(max_cache_len=1), "max_cache_len"),
     (dict(compile="yes"), "compile"),
     (dict(grouped_attention=None), "grouped_attention"),
-    (dict(decode_attention="flash"), "decode_attention must be one of \\('sdpa', 'split_k'\\), got 'flash'"),
+    (dict(decode_attention="flash"), "decode_attention must be one of \\('auto', 'sdpa', 'split_k'\\), got 'flash'"),
     (dict(decode_attention="split_k", grouped_attention=False), "split_k' needs grouped_attention=True"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):
         CompiledSampler(**kwargs)
+
+
+def test_auto_decode_attention_is_split_k_on_cuda_only():
+    """The default picks the split-K kernel on CUDA (where it was measured faster than SDPA) and SDPA
+    elsewhere or where the grouped decode step (the kernel's only caller) is off."""
+    auto = CompiledSampler()
+    assert auto.decode_attention == "auto"
+    assert auto.uses_split_k(torch.device("cuda")) and not auto.uses_split_k(torch.device("cpu"))
+    assert not CompiledSampler(grouped_attention=False).uses_split_k(torch.device("cuda"))
+    assert not CompiledSampler(decode_attention="sdpa").uses_split_k(torch.device("cuda"))
+    assert CompiledSampler(decode_attention="split_k").uses_split_k(torch.device("cpu"))
+    assert torch.ops.logitless.decode_attention.default is not None  # registered by the CUDA choice
 
 
 def test_refuses_model_with_caches_and_too_small_cache():

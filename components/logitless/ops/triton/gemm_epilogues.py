@@ -99,11 +99,21 @@ def supported(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if hidden.device.type != "cuda" and not _INTERPRET:
         return False
-    item = hidden.element_size()
-    for t in (hidden, weight):
-        if t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * item) % 16 or t.data_ptr() % 16:
-            return False
-    return True
+    return _descriptor_ok(hidden) and _descriptor_ok(weight)
+
+
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a tensor descriptor can address: unit inner stride, 16-byte aligned base and rows."""
+    return t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _check_descriptors(fn: str, **tensors: torch.Tensor) -> None:
+    # TMA reads a misaligned row stride as garbage rather than failing: refuse before the launch.
+    for name, t in tensors.items():
+        if not _descriptor_ok(t):
+            raise ValueError(f"{fn}: {name} of shape {tuple(t.shape)}, strides {t.stride()}, dtype {t.dtype} "
+                             f"cannot be read by a tensor descriptor: expected a 2-D tensor with unit inner "
+                             f"stride and a 16-byte aligned base and row stride (see aligned_cols)")
 
 
 def use(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -388,6 +398,7 @@ def logits_stats(h_b: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         z_y (torch.Tensor): fp32 ``(rows_total,)``: the label's ``z`` written at ``row0 + r``.
         inv_t (float): 1 / temperature. ignore_index (int): ignored label.
     """
+    _check_descriptors("logits_stats", h_b=h_b, weight=weight)
     rows, hid = h_b.shape
     vocab = weight.shape[0]
     bm, bn, bk, group, warps, stages, ws = blocks("stats", h_b.dtype)
@@ -426,6 +437,7 @@ def logits_dlogits(h_b: torch.Tensor, w_slab: torch.Tensor, dl: torch.Tensor, la
             cross-entropy's device scalar (CE mode) or None.
         inv_t (float), ignore_index (int): as in the forward.
     """
+    _check_descriptors("logits_dlogits", h_b=h_b, w_slab=w_slab)
     rows, hid = h_b.shape
     vlen = w_slab.shape[0]
     bm, bn, bk, group, warps, stages, ws = blocks("dlogits", h_b.dtype)
@@ -455,6 +467,7 @@ def dw_accumulate(dw_slab: torch.Tensor, dl: torch.Tensor, h_b: torch.Tensor, ac
         h_b (torch.Tensor): ``(rows, H)``.
         accumulate (bool): add to ``dw_slab`` (else overwrite it).
     """
+    _check_descriptors("dw_accumulate", dw_slab=dw_slab, dl=dl, h_b=h_b)
     vlen, hid = dw_slab.shape
     rows = h_b.shape[0]
     bm, bn, bk, group, warps, stages, ws = blocks("dw", h_b.dtype)

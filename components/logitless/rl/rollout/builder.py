@@ -98,7 +98,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             ``"eager"`` | ``"compiled"``; ``"fast"`` is its former name), and for ``compiled``:
             ``compile`` (default: on CUDA), ``max_cache_len`` (one cache length, so one compilation,
             for the whole run), ``sync_every``, ``compaction``, ``attention_window`` (null: the whole
-            cache), ``draws``, ``fused_projections`` and ``decode_attention`` (``sdpa`` | ``split_k``)
+            cache), ``draws``, ``fused_projections`` and ``decode_attention`` (``auto`` | ``sdpa`` | ``split_k``)
             (:class:`CompiledSampler`); for both, ``prefill_chunk_tokens`` (tokens per prefill
             forward; null: one forward; absent: the samplers' default,
             :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS`).
