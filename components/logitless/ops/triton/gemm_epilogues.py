@@ -37,11 +37,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, warp_specialize) per kernel kind and
 #: input dtype; ``warp_specialize`` (0/1) asks Triton to split the tile loop into producer (TMA
 #: loads) and consumer (MMA + epilogue) warps where the compiler supports it.
-#: Unmeasured defaults (a 128 x 128 fp32 accumulator per 8 warps leaves registers for the
-#: epilogue); small tiles in the CPU interpreter, so that odd test shapes cross several tiles
-#: (and H = 16 pads the K loop).
+#: 16-bit inputs: the fastest of ``bench_head.py --hgemm-sweep qwen7b`` on an H200 (each kind swept
+#: with the others fixed; benchmarks/results/head_gemm_sweep_h200.csv): statistics GEMM 1.21 GEMMs
+#: (1.60 with 128 x 128 tiles), dlogits 4.64 GEMMs for log-probs + entropy (5.07), dW 5.32 for CE
+#: (5.66). fp32 (tf32-free ``ieee`` dots): unmeasured, 64 x 128 tiles. Small tiles in the CPU
+#: interpreter, so that odd test shapes cross several tiles (and H = 16 pads the K loop).
+_SWEPT_16BIT = {"stats": (128, 256, 64, 8, 8, 3, 1), "dlogits": (256, 128, 64, 8, 8, 3, 0),
+                "dw": (64, 256, 64, 8, 4, 4, 0)}
 BLOCKS: Dict[Tuple[str, torch.dtype], Tuple[int, int, int, int, int, int, int]] = {
-    (kind, dtype): (64, 128, 32, 8, 8, 3, 0) if dtype == torch.float32 else (128, 128, 64, 8, 8, 3, 0)
+    (kind, dtype): (64, 128, 32, 8, 8, 3, 0) if dtype == torch.float32 else _SWEPT_16BIT[kind]
     for kind in ("stats", "dlogits", "dw") for dtype in (torch.bfloat16, torch.float16, torch.float32)
 }
 _INTERPRETER_BLOCKS = (32, 32, 32, 2, 4, 1, 0)
@@ -65,7 +69,7 @@ def blocks(kind: str, dtype: torch.dtype) -> Tuple[int, int, int, int, int, int,
 
     Example:
         >>> blocks("stats", torch.bfloat16)  # on a GPU
-        (128, 128, 64, 8, 8, 3, 0)
+        (128, 256, 64, 8, 8, 3, 1)
     """
     return _INTERPRETER_BLOCKS if _INTERPRET else BLOCKS[(kind, dtype)]
 

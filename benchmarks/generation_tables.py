@@ -1,0 +1,87 @@
+"""The markdown tables of docs/generation.md's split-K section, regenerated from the committed CSVs.
+
+- the decode step against the roofline (``generation_roofline_h200.csv``, rows measured since
+  ``--since``, uniform and mix of each (model, rows, attention) side by side);
+- decode attention alone (``decode_attention_h200.csv``): the windowed SDPA, SDPA over the whole
+  cache and the split-K kernel per layer, at each model's attention shape.
+
+Usage:
+    python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
+"""
+
+import argparse
+import csv
+from pathlib import Path
+from typing import Dict, List
+
+MODEL_NAMES = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B"}
+_ORDER = list(MODEL_NAMES)
+
+
+def _read(path: Path) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
+    """Decode step per (model, rows, attention): step time, roofline share, uniform and mix tokens/s.
+
+    Args:
+        rows (List[Dict[str, str]]): rows of ``bench_generation.py``'s CSV.
+        since (str): keep rows whose ``date`` sorts at or after this ISO prefix.
+
+    Returns:
+        str: a markdown table.
+    """
+    kept = [r for r in rows if r["date"] >= since and r.get("decode_attention")]
+    uniform = {(r["model"], r["rows"], r["decode_attention"]): r for r in kept if r["mix"] == "uniform"}
+    mix = {(r["model"], r["rows"], r["decode_attention"]): r for r in kept if r["mix"] == "mix"}
+    out = ["| model | rows | attention | step (ms) | roofline (ms) | of roofline | uniform tok/s | "
+           "mix tok/s (mean length) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for key in sorted(uniform, key=lambda k: (_ORDER.index(k[0]), int(k[1]), k[2])):
+        u, m = uniform[key], mix.get(key)
+        mixed = f"{float(m['tokens_per_s']):,.0f} ({float(m['mean_len']):.0f})" if m else "-"
+        out.append(f"| {MODEL_NAMES[key[0]]} | {key[1]} | {key[2]} | {float(u['step_ms']):.3f} | "
+                   f"{float(u['roofline_ms']):.3f} | {100 * float(u['roofline_frac']):.1f}% | "
+                   f"{float(u['tokens_per_s']):,.0f} | {mixed} |")
+    return "\n".join(out)
+
+
+def attention_table(rows: List[Dict[str, str]]) -> str:
+    """Per-layer decode attention: SDPA over the window and the whole cache against split-K.
+
+    Args:
+        rows (List[Dict[str, str]]): rows of ``bench_decode_attention.py``'s CSV (the automatic
+            split length: one ``split_k`` row per case).
+
+    Returns:
+        str: a markdown table.
+    """
+    by = {(r["model"], r["rows"], r["filled"], r["method"]): r for r in rows}
+    out = ["| model | rows | filled | SDPA window (us) | SDPA whole cache (us) | split-K (us) | "
+           "split-K / window | split-K of copy bandwidth |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    cases = sorted({k[:3] for k in by if k[3] == "split_k"},
+                   key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    for model, n, filled in cases:
+        split = by[(model, n, filled, "split_k")]
+        window = float(by[(model, n, filled, "sdpa_window")]["us"])
+        whole = float(by[(model, n, filled, "sdpa_full")]["us"])
+        us = float(split["us"])
+        out.append(f"| {MODEL_NAMES[model]} | {n} | {filled} | {window:.1f} | {whole:.1f} | {us:.1f} | "
+                   f"{us / window:.2f} | {100 * float(split['of_copy_bw']):.0f}% |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--since", default="2026-11-23T14", help="ISO date prefix of the split-K runs")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    print(decode_step_table(_read(results / "generation_roofline_h200.csv"), args.since))
+    print()
+    print(attention_table(_read(results / "decode_attention_h200.csv")))
+
+
+if __name__ == "__main__":
+    main()
