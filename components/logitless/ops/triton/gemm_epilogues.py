@@ -78,7 +78,8 @@ def enabled() -> bool:
     """Whether ``LOGITLESS_HEAD_GEMM`` asks for these kernels.
 
     ``"cublas"``: never. ``"triton"``: always (where :func:`supported`). ``"auto"``: only where a
-    committed H200 measurement says they win; none exists yet, so ``"auto"`` is ``"cublas"``.
+    committed H200 measurement says they win; at the 7B head they lost in every mode, even at their
+    swept blocks (benchmarks/results/head_gemm_h200.csv), so ``"auto"`` is ``"cublas"``.
 
     Returns:
         bool: use the Triton GEMMs (subject to :func:`supported`).
