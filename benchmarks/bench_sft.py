@@ -267,7 +267,8 @@ def main() -> None:
             w.writeheader()
         for r in rows:
             w.writerow({**r, "model": a.model, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq,
-                        "ac": a.ac, "compile": a.compile, "head_gemm": head_gemm, "dtype": a.dtype, "device": dev_name, "torch": torch.__version__,
+                        "ac": a.ac, "compile": a.compile, "head_gemm": head_gemm, "dtype": a.dtype, "device": dev_name,
+                        "torch": torch.__version__,
                         "date": time.strftime("%Y-%m-%d %H:%M"), "max_batch": r.get("max_batch", "")})
     print("\n| variant | peak GiB | step ms | head GiB | head ms |\n|---|---|---|---|---|")
     for r in rows:

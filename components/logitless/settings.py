@@ -131,8 +131,8 @@ KNOBS: Dict[str, Knob] = {
         "between them), 'triton' (persistent Triton GEMMs with the statistics / dlogits / dW "
         "accumulation in their epilogues: no logits workspace, no logits round trip; slower than "
         "cublas on an H200 at the 7B head, more accurate log-probs), 'auto' (triton only at shapes a "
-        "committed H200 measurement says it wins; none so far, so cublas). Inputs a tensor descriptor cannot read (H * itemsize not a multiple of 16 bytes) "
-        "keep cublas."),
+        "committed H200 measurement says it wins; none so far, so cublas). Inputs a tensor "
+        "descriptor cannot read (H * itemsize not a multiple of 16 bytes) keep cublas."),
     "head_gemm_programs_per_sm": Knob(
         "LOGITLESS_HEAD_GEMM_PROGRAMS_PER_SM", 1, _positive_int,
         "Persistent programs per SM of the Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton): more "

@@ -330,8 +330,9 @@ class CompiledSampler:
             per bucket serves every step (``attention_window`` is not used). Off CUDA it runs plain
             PyTorch unless ``TRITON_INTERPRET=1``. ``"sdpa"``: ``F.scaled_dot_product_attention``
             over the window of ``attention_window``. ``"auto"`` (default): ``"split_k"`` on CUDA
-            with ``grouped_attention``, else ``"sdpa"`` (on an H200 the kernel took 0.3-0.7x
-            SDPA's time per layer and 0.79-0.91x its decode step, benchmarks/results/decode_attention_h200.csv).
+            with ``grouped_attention``, else ``"sdpa"`` (on an H200 the kernel took 0.33-0.73x the
+            windowed SDPA's time per layer, ``benchmarks/results/decode_attention_h200.csv``, and the
+            1.5B decode step 0.84-0.91x, ``generation_roofline_h200.csv``).
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
