@@ -45,8 +45,8 @@ from bench_sft import _add_columns  # noqa: E402
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
 METHODS = ("sdpa_window", "sdpa_full", "split_k")
 CACHE_ROWS = 64
-FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len", "block_n",
-          "num_warps", "us",
+FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len",
+          "resolved_split_len", "block_n", "num_warps", "us",
           "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
@@ -96,6 +96,16 @@ def methods(args, cache_len, filled):
     return out
 
 
+def resolved_split_len(launch, rows, kv_heads, cache_len, device):
+    """The split length split-K runs with: the given one, or the automatic rule's for this shape."""
+    from logitless.ops.triton.decode_attention import default_split_len
+
+    if launch["split_len"] is not None:
+        return launch["split_len"]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return max(launch["block_n"], default_split_len(rows, kv_heads, cache_len, sms))
+
+
 def time_call(fn, device, reps, iters):
     """Seconds per call: a CUDA graph of ``reps`` calls replayed ``iters`` times (CUDA), else a loop."""
     if device.type != "cuda":
@@ -143,6 +153,8 @@ def bench(args):
                 for name, launch, fn in methods(args, args.cache_len, filled):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
                                bytes=nbytes, status="ok", **{k: "auto" if v is None else v for k, v in launch.items()})
+                    if name == "split_k":
+                        row["resolved_split_len"] = resolved_split_len(launch, rows, hkv, args.cache_len, device)
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
@@ -160,8 +172,8 @@ def bench(args):
     return rows_out, bandwidth
 
 
-TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "block_n", "num_warps", "us", "roofline_us",
-                 "of_copy_bw", "max_diff", "status"]
+TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "resolved_split_len", "block_n", "num_warps", "us",
+                 "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
 def _ints(text):

@@ -86,8 +86,9 @@ def build_model(name, device):
     return build_dotted(MODELS[name], device)
 
 
-def build_dotted(dotted, device):
-    """A model of the torchtune builder at dotted path ``dotted``, random weights, eval mode, frozen."""
+def build_dotted(dotted, device, seed=0):
+    """A model of the torchtune builder at dotted path ``dotted``, random weights drawn from ``seed``
+    (the same in every run: the mix's completion lengths follow the model), eval mode, frozen."""
     import importlib
 
     from torchtune.training import set_default_dtype
@@ -95,7 +96,8 @@ def build_dotted(dotted, device):
     module, attr = dotted.rsplit(".", 1)
     builder = getattr(importlib.import_module(module), attr)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with set_default_dtype(dtype), device:
+    with set_default_dtype(dtype), device, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
         model = builder()
     with torch.no_grad():  # nn.Embedding's N(0, 1) -> std 0.02 as HF initialises it (bf16-safe)
         model.tok_embeddings.weight.mul_(0.02)

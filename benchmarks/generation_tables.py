@@ -3,7 +3,9 @@
 - the decode step against the roofline (``generation_roofline_h200.csv``, rows measured since
   ``--since``, uniform and mix of each (model, rows, attention) side by side);
 - decode attention alone (``decode_attention_h200.csv``): the windowed SDPA, SDPA over the whole
-  cache and the split-K kernel per layer, at each model's attention shape.
+  cache and the split-K kernel per layer, at each model's attention shape;
+- split-K's split length (``decode_attention_split_len_h200.csv``): each fixed length against the
+  automatic rule before and after it changed (the file's first run and its last).
 
 Usage:
     python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
@@ -24,26 +26,32 @@ def _read(path: Path) -> List[Dict[str, str]]:
 
 
 def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
-    """Decode step per (model, rows, attention): step time, roofline share, uniform and mix tokens/s.
+    """Decode step per (model, rows, new tokens, attention, options): step time, roofline share,
+    uniform and mix tokens/s.
 
     Args:
         rows (List[Dict[str, str]]): rows of ``bench_generation.py``'s CSV.
         since (str): keep rows whose ``date`` sorts at or after this ISO prefix.
 
     Returns:
-        str: a markdown table.
+        str: a markdown table (``options`` other than the compiled sampler's defaults in the last
+        column; a later row of the same case replaces an earlier one).
     """
     kept = [r for r in rows if r["date"] >= since and r.get("decode_attention")]
-    uniform = {(r["model"], r["rows"], r["decode_attention"]): r for r in kept if r["mix"] == "uniform"}
-    mix = {(r["model"], r["rows"], r["decode_attention"]): r for r in kept if r["mix"] == "mix"}
-    out = ["| model | rows | attention | step (ms) | roofline (ms) | of roofline | uniform tok/s | "
-           "mix tok/s (mean length) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for key in sorted(uniform, key=lambda k: (_ORDER.index(k[0]), int(k[1]), k[2])):
+
+    def case(r):
+        return r["model"], r["rows"], r.get("new_tokens", ""), r["decode_attention"], r.get("options", "")
+
+    uniform = {case(r): r for r in kept if r["mix"] == "uniform"}
+    mix = {case(r): r for r in kept if r["mix"] == "mix"}
+    out = ["| model | rows | new tokens | attention | step (ms) | roofline (ms) | of roofline | uniform tok/s | "
+           "mix tok/s (mean length) | options |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for key in sorted(uniform, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2] or 0), k[3], k[4])):
         u, m = uniform[key], mix.get(key)
         mixed = f"{float(m['tokens_per_s']):,.0f} ({float(m['mean_len']):.0f})" if m else "-"
-        out.append(f"| {MODEL_NAMES[key[0]]} | {key[1]} | {key[2]} | {float(u['step_ms']):.3f} | "
+        out.append(f"| {MODEL_NAMES[key[0]]} | {key[1]} | {key[2]} | {key[3]} | {float(u['step_ms']):.3f} | "
                    f"{float(u['roofline_ms']):.3f} | {100 * float(u['roofline_frac']):.1f}% | "
-                   f"{float(u['tokens_per_s']):,.0f} | {mixed} |")
+                   f"{float(u['tokens_per_s']):,.0f} | {mixed} | {key[4]} |")
     return "\n".join(out)
 
 
@@ -72,6 +80,45 @@ def attention_table(rows: List[Dict[str, str]]) -> str:
     return "\n".join(out)
 
 
+def split_length_table(rows: List[Dict[str, str]], block_n: str = "64") -> str:
+    """Split-K per layer at each split length, and the automatic rule of the first run against the last.
+
+    Args:
+        rows (List[Dict[str, str]]): ``split_k`` rows of ``bench_decode_attention.py --split-lens``
+            runs with a ``resolved_split_len`` column, from two or more runs (told apart by ``date``).
+        block_n (str): the ``block_n`` whose rows are shown (the kernel's default).
+
+    Returns:
+        str: a markdown table; a fixed length's time is the latest run's.
+    """
+    kept = sorted((r for r in rows if r["method"] == "split_k" and r["status"] == "ok" and r["block_n"] == block_n),
+                  key=lambda r: r["date"])
+    first, last = kept[0]["date"], kept[-1]["date"]
+    lengths = sorted({int(r["split_len"]) for r in kept if r["split_len"] != "auto"})
+    fixed, auto = {}, {}
+    for r in kept:  # later rows overwrite earlier ones
+        case = (r["model"], r["rows"], r["filled"])
+        if r["split_len"] == "auto":
+            if r["date"] in (first, last):
+                auto[case, r["date"] == last] = r
+        else:
+            fixed[case, int(r["split_len"])] = float(r["us"])
+    cases = sorted({case for case, _ in auto}, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    out = ["| model | rows | filled | " + " | ".join(f"split {n} (us)" for n in lengths) +
+           " | rule before: split, us | rule now: split, us | now / before |",
+           "|---|---:|---:|" + "---:|" * (len(lengths) + 3)]
+    for case in cases:
+        before, now = auto.get((case, False)), auto.get((case, True))
+        if before is None or now is None:
+            continue
+        times = " | ".join(f"{fixed[case, n]:.1f}" if (case, n) in fixed else "-" for n in lengths)
+        out.append(f"| {MODEL_NAMES[case[0]]} | {case[1]} | {case[2]} | {times} | "
+                   f"{before['resolved_split_len']}, {float(before['us']):.1f} | "
+                   f"{now['resolved_split_len']}, {float(now['us']):.1f} | "
+                   f"{float(now['us']) / float(before['us']):.2f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(Path(__file__).parent / "results"))
@@ -81,6 +128,8 @@ def main(argv=None) -> None:
     print(decode_step_table(_read(results / "generation_roofline_h200.csv"), args.since))
     print()
     print(attention_table(_read(results / "decode_attention_h200.csv")))
+    print()
+    print(split_length_table(_read(results / "decode_attention_split_len_h200.csv")))
 
 
 if __name__ == "__main__":

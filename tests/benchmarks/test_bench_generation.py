@@ -108,3 +108,15 @@ def test_rows_appended_to_an_older_csv_line_up_with_their_columns(bench, tmp_pat
     assert {k: v for k, v in rows[0].items() if k in old_fields} == old_row and rows[0]["decode_attention"] == ""
     assert [(r["sampler"], r["decode_attention"], r["mix"]) for r in rows[1:]] == [
         ("compiled", "sdpa", "uniform"), ("compiled", "sdpa", "mix")]
+
+
+def test_random_weights_are_the_same_in_every_run(bench):
+    # the mix's lengths come from the model's distribution: unseeded weights made them (and its
+    # tokens/s) differ from run to run
+    import torch
+
+    first, second = bench.build_model("tiny", torch.device("cpu")), bench.build_model("tiny", torch.device("cpu"))
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = bench.build_dotted(bench.MODELS["tiny"], torch.device("cpu"), seed=1)
+    assert not torch.equal(other.tok_embeddings.weight, first.tok_embeddings.weight)

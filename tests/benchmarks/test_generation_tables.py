@@ -14,17 +14,19 @@ def tables(load_benchmark):
 
 
 def test_decode_step_table_pairs_uniform_and_mix_rows(tables, tmp_path):
-    fields = ["date", "model", "rows", "decode_attention", "mix", "step_ms", "roofline_ms", "roofline_frac",
-              "tokens_per_s", "mean_len"]
+    fields = ["date", "model", "rows", "new_tokens", "decode_attention", "options", "mix", "step_ms", "roofline_ms",
+              "roofline_frac", "tokens_per_s", "mean_len"]
     rows = [dict(zip(fields, v)) for v in (
-        ("2026-11-23T15", "7b", "64", "split_k", "uniform", "6.2", "4.4", "0.71", "9906", "512"),
-        ("2026-11-23T15", "7b", "64", "split_k", "mix", "", "", "", "3151.2", "146.2"),
-        ("2026-11-23T15", "0.5b", "16", "sdpa", "uniform", "1.5", "0.5", "0.3", "100", "512"),
-        ("2026-11-22T10", "0.5b", "16", "split_k", "uniform", "9", "9", "0.9", "1", "512"),  # before --since
+        ("2026-11-23T15", "7b", "64", "512", "split_k", "", "uniform", "6.2", "4.4", "0.71", "9906", "512"),
+        ("2026-11-23T15", "7b", "64", "512", "split_k", "", "mix", "", "", "", "3151.2", "146.2"),
+        ("2026-11-23T15", "7b", "64", "512", "split_k", "x=1", "uniform", "7", "4.4", "0.63", "9000", "512"),
+        ("2026-11-23T15", "0.5b", "16", "2048", "sdpa", "", "uniform", "1.5", "0.5", "0.3", "100", "2048"),
+        ("2026-11-22T10", "0.5b", "16", "512", "split_k", "", "uniform", "9", "9", "0.9", "1", "512"),  # before --since
     )]
     lines = tables.decode_step_table(rows, "2026-11-23T14").splitlines()
-    assert lines[2:] == ["| Qwen2.5-0.5B | 16 | sdpa | 1.500 | 0.500 | 30.0% | 100 | - |",
-                         "| Qwen2.5-7B | 64 | split_k | 6.200 | 4.400 | 71.0% | 9,906 | 3,151 (146) |"]
+    assert lines[2:] == ["| Qwen2.5-0.5B | 16 | 2048 | sdpa | 1.500 | 0.500 | 30.0% | 100 | - |  |",
+                         "| Qwen2.5-7B | 64 | 512 | split_k | 6.200 | 4.400 | 71.0% | 9,906 | 3,151 (146) |  |",
+                         "| Qwen2.5-7B | 64 | 512 | split_k | 7.000 | 4.400 | 63.0% | 9,000 | - | x=1 |"]
 
 
 def test_committed_attention_table_ratio_is_the_csv_ratio(tables):
@@ -37,3 +39,19 @@ def test_committed_attention_table_ratio_is_the_csv_ratio(tables):
     window = next(w for w in rows if (w["model"], w["rows"], w["filled"], w["method"]) == ("1.5b", "64", "3584", "sdpa_window"))
     line = next(t for t in table if t.startswith("| Qwen2.5-1.5B | 64 | 3584 |"))
     assert line.split("|")[7].strip() == f"{float(r['us']) / float(window['us']):.2f}"
+
+
+def test_split_length_table_sets_the_first_runs_rule_against_the_last(tables):
+    fields = ["date", "model", "rows", "filled", "method", "split_len", "resolved_split_len", "block_n", "us", "status"]
+    rows = [dict(zip(fields, v)) for v in (
+        ("2026-11-23T17:34", "1.5b", "8", "2048", "split_k", "auto", "64", "64", "20.0", "ok"),
+        ("2026-11-23T17:34", "1.5b", "8", "2048", "split_k", "64", "64", "64", "19.0", "ok"),
+        ("2026-11-23T17:34", "1.5b", "8", "2048", "split_k", "256", "256", "64", "13.0", "ok"),
+        ("2026-11-23T17:34", "1.5b", "8", "2048", "split_k", "256", "256", "32", "1.0", "ok"),  # other block_n
+        ("2026-11-23T17:57", "1.5b", "8", "2048", "split_k", "auto", "256", "64", "12.0", "ok"),
+        ("2026-11-23T17:57", "1.5b", "8", "2048", "split_k", "256", "256", "64", "12.5", "ok"),  # the latest wins
+        ("2026-11-23T17:57", "1.5b", "8", "2048", "sdpa_full", "", "", "", "90.0", "ok"),
+    )]
+    lines = tables.split_length_table(rows).splitlines()
+    assert lines[0].count("split 64 (us)") == 1 and "split 256 (us)" in lines[0]
+    assert lines[2:] == ["| Qwen2.5-1.5B | 8 | 2048 | 19.0 | 12.5 | 64, 20.0 | 256, 12.0 | 0.60 |"]

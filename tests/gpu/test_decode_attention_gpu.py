@@ -58,7 +58,7 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
         err = lambda a: ((a.double() - exact).norm() / exact.norm().clamp(min=1e-30)).item()  # noqa: E731
         assert torch.isfinite(ours).all()
         assert err(ours) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0), (n, err(ours), err(sdpa))
-        for split_len in (64, 512):  # the shortest and longest automatic splits give the same attention
+        for split_len in (64, 512):  # a short and the longest automatic split give the same attention
             other = decode_attention(q, k, v, valid, nf, split_len=split_len)
             assert err(other) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0)
 

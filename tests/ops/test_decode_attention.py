@@ -168,13 +168,17 @@ def test_bad_arguments_are_named_before_any_compute(change, match):
                          **args)
 
 
-def test_default_split_length_spreads_few_rows_over_more_programs():
-    for length in (1024, 1536, 3584):
-        splits = [da.default_split_len(rows, 2, length) for rows in (8, 16, 64)]
-        assert splits == sorted(splits)  # fewer rows: shorter (or as long) splits, more programs per row
+def test_default_split_length_grows_with_rows_from_its_floor():
+    for length in (1024, 1536, 3584, 32768):
+        splits = [da.default_split_len(rows, 2, length) for rows in (8, 16, 64, 256)]
+        assert splits == sorted(splits)  # more rows: longer (or as long) splits, fewer partials to merge
         assert all(da.MIN_SPLIT <= s <= da.MAX_SPLIT and s & (s - 1) == 0 for s in splits)
-        programs = 8 * 2 * -(-length // splits[0])
-        assert programs >= 2 * 132 or splits[0] == da.MIN_SPLIT  # a compacted bucket still fills an H200
+        # few rows over a cache as long as those measured stop at the floor (a shorter split costs
+        # more in the merge than it spreads)
+        assert splits[0] == da.MIN_SPLIT or length > 4096
+        # many rows aim at PROGRAMS_PER_SM programs per SM of an H200, within a factor of two
+        programs = 256 * 2 * -(-length // splits[-1])
+        assert splits[-1] == da.MAX_SPLIT or programs <= 2 * da.PROGRAMS_PER_SM * 132 * 2
 
 
 _COMPILE_FOR_H200 = """

@@ -54,8 +54,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_N = 64
 #: Warps per program of the partial kernel.
 NUM_WARPS = 4
-#: Bounds of the automatic split length (columns).
-MIN_SPLIT, MAX_SPLIT = 64, 512
+#: Bounds of the automatic split length (columns). Shorter splits than 256 lose at every shape
+#: measured on an H200 (``benchmarks/results/decode_attention_h200.csv``, the ``split_len`` sweep):
+#: the merge walks a row's splits one after another in only ``B x Hkv`` programs, so at 8-16 rows
+#: 64-column splits took up to 2.1x the time of 256-column ones.
+MIN_SPLIT, MAX_SPLIT = 256, 512
 #: Programs per SM the automatic split length aims at for a full cache.
 PROGRAMS_PER_SM = 4
 
@@ -170,8 +173,9 @@ def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132)
     """The split length when none is given: about ``PROGRAMS_PER_SM`` programs per SM over a full
     cache, a power of two in ``[MIN_SPLIT, MAX_SPLIT]``.
 
-    Few rows (a compacted bucket) get short splits, so that their work still spreads over the GPU;
-    many rows get long ones, so that fewer partials are written and merged.
+    Many rows get long splits, so that fewer partials are written and merged. Few rows (a compacted
+    bucket) stop at ``MIN_SPLIT``: shorter splits would spread their keys over more programs, but the
+    merge, which walks each row's splits in order, then costs more than the spread gains.
 
     Args:
         rows (int): B.
@@ -183,8 +187,8 @@ def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132)
         int: columns per split.
 
     Example:
-        >>> default_split_len(64, 2, 1536), default_split_len(8, 2, 1536)
-        (256, 64)
+        >>> default_split_len(64, 4, 4096), default_split_len(8, 2, 1536)
+        (512, 256)
     """
     target = rows * kv_heads * length / (PROGRAMS_PER_SM * num_sms)
     split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
