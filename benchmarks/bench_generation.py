@@ -15,7 +15,8 @@ prompt length and number of new tokens, every sampler samples the same prompts t
 ``--decode-attention sdpa,split_k`` runs ``compiled`` and ``unfused`` once per decode attention
 (``CompiledSampler(decode_attention=...)``; the CSV's ``decode_attention`` column says which).
 
-Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` as a recipe builds it) and
+Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` with ``fused_projections=True``,
+as ``configs/qwen_grpo.yaml`` builds it; the class's default is ``False``) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
 in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
 (``compiled`` with ``fused_projections=False``: separate q/k/v and gate/up GEMMs) and ``eager``

@@ -5,7 +5,8 @@
 - decode attention alone (``decode_attention_h200.csv``): the windowed SDPA, SDPA over the whole
   cache and the split-K kernel per layer, at each model's attention shape;
 - split-K's split length (``decode_attention_split_len_h200.csv``): each fixed length against the
-  automatic rule before and after it changed (the file's first run and its last).
+  automatic rule before and after it changed (the file's first run and its last);
+- long-prompt prefill (``prefill_h200.csv``): chunked against one forward, time and memory.
 
 Usage:
     python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
@@ -119,6 +120,34 @@ def split_length_table(rows: List[Dict[str, str]], block_n: str = "64") -> str:
     return "\n".join(out)
 
 
+def prefill_table(rows: List[Dict[str, str]]) -> str:
+    """Prefill per (model, prompts, width): chunked against one forward, side by side.
+
+    Args:
+        rows (List[Dict[str, str]]): rows of ``bench_prefill.py``'s CSV (``chunk_tokens`` a number
+            or ``none``).
+
+    Returns:
+        str: a markdown table; a failed measurement shows its status (e.g. ``OOM``).
+    """
+    def cell(r, key, fmt):
+        return fmt.format(float(r[key])) if r and r.get(key) not in (None, "") else (r or {}).get("status", "-")
+
+    by = {(r["model"], r["prompts"], r["prompt_len"], r["chunk_tokens"] != "none"): r for r in rows}
+    out = ["| model | prompts x G | prompt tokens | chunked prefill (s) | one forward (s) | chunked extra (GiB) | "
+           "one forward extra (GiB) | prompt cache (GiB) | chunked call peak (GiB) | one-forward call peak (GiB) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    cases = sorted({k[:3] for k in by}, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    for model, prompts, width in cases:
+        chunked, whole = by.get((model, prompts, width, True)), by.get((model, prompts, width, False))
+        g = (chunked or whole)["G"]
+        out.append(f"| {MODEL_NAMES[model]} | {prompts} x {g} | {width} | {cell(chunked, 'prefill_s', '{:.2f}')} | "
+                   f"{cell(whole, 'prefill_s', '{:.2f}')} | {cell(chunked, 'prefill_extra_gib', '{:.2f}')} | "
+                   f"{cell(whole, 'prefill_extra_gib', '{:.2f}')} | {cell(chunked or whole, 'prompt_cache_gib', '{:.2f}')} | "
+                   f"{cell(chunked, 'call_peak_gib', '{:.1f}')} | {cell(whole, 'call_peak_gib', '{:.1f}')} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(Path(__file__).parent / "results"))
@@ -130,6 +159,8 @@ def main(argv=None) -> None:
     print(attention_table(_read(results / "decode_attention_h200.csv")))
     print()
     print(split_length_table(_read(results / "decode_attention_split_len_h200.csv")))
+    print()
+    print(prefill_table(_read(results / "prefill_h200.csv")))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,16 @@ def test_split_length_table_sets_the_first_runs_rule_against_the_last(tables):
     lines = tables.split_length_table(rows).splitlines()
     assert lines[0].count("split 64 (us)") == 1 and "split 256 (us)" in lines[0]
     assert lines[2:] == ["| Qwen2.5-1.5B | 8 | 2048 | 19.0 | 12.5 | 64, 20.0 | 256, 12.0 | 0.60 |"]
+
+
+def test_prefill_table_sets_chunked_beside_one_forward_and_shows_a_failure(tables):
+    fields = ["model", "prompts", "G", "prompt_len", "chunk_tokens", "prefill_s", "prefill_extra_gib",
+              "prompt_cache_gib", "call_peak_gib", "status"]
+    rows = [dict(zip(fields, v)) for v in (
+        ("7b", "4", "16", "32768", "8192", "6.6349", "2.719", "7.0", "122.638", "ok"),
+        ("7b", "4", "16", "32768", "none", "9.3684", "21.375", "7.0", "", "OOM"),
+        ("1.5b", "1", "16", "8192", "none", "0.0955", "0.566", "0.219", "4.402", "ok"),
+    )]
+    lines = tables.prefill_table(rows).splitlines()
+    assert lines[2:] == ["| Qwen2.5-1.5B | 1 x 16 | 8192 | - | 0.10 | - | 0.57 | 0.22 | - | 4.4 |",
+                         "| Qwen2.5-7B | 4 x 16 | 32768 | 6.63 | 9.37 | 2.72 | 21.38 | 7.00 | 122.6 | OOM |"]
