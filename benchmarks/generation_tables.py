@@ -35,8 +35,8 @@ def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
         since (str): keep rows whose ``date`` sorts at or after this ISO prefix.
 
     Returns:
-        str: a markdown table (``options`` other than the compiled sampler's defaults in the last
-        column; a later row of the same case replaces an earlier one).
+        str: a markdown table (the run's ``--compiled-options`` in the last column; a later row of
+        the same case replaces an earlier one).
     """
     kept = [r for r in rows if r["date"] >= since and r.get("decode_attention")]
 

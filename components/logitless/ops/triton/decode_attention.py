@@ -54,10 +54,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_N = 64
 #: Warps per program of the partial kernel.
 NUM_WARPS = 4
-#: Bounds of the automatic split length (columns). Shorter splits than 256 lose at every shape
-#: measured on an H200 (``benchmarks/results/decode_attention_h200.csv``, the ``split_len`` sweep):
-#: the merge walks a row's splits one after another in only ``B x Hkv`` programs, so at 8-16 rows
-#: 64-column splits took up to 2.1x the time of 256-column ones.
+#: Bounds of the automatic split length (columns). At 8-16 rows on an H200, splits shorter than 256
+#: were at most 3% faster and up to 2.1x slower (64 columns;
+#: ``benchmarks/results/decode_attention_split_len_h200.csv``): the merge walks a row's splits one
+#: after another in only ``B x Hkv`` programs.
 MIN_SPLIT, MAX_SPLIT = 256, 512
 #: Programs per SM the automatic split length aims at for a full cache.
 PROGRAMS_PER_SM = 4
