@@ -64,7 +64,9 @@ def prompts_of(model, count, width):
 
 
 def measure_prefill(model, prompts, chunk_tokens, device):
-    """Seconds, peak GiB above weights + prompt cache, and that cache's GiB of one prefill."""
+    """Seconds, peak GiB above weights + prompt cache, and that cache's GiB of one prefill, timed
+    after an untimed one of the same shape (per-shape kernel selection and allocator growth would
+    otherwise land on whichever setting runs first)."""
     from torchtune.modules.common_utils import local_kv_cache
 
     from logitless.rl.rollout.prefill import prefill
@@ -76,21 +78,30 @@ def measure_prefill(model, prompts, chunk_tokens, device):
     with torch.no_grad(), local_kv_cache(model, batch_size=tokens.shape[0], device=device, dtype=dtype,
                                          decoder_max_seq_len=tokens.shape[1]):
         cache = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache")))
+        def run():
+            return prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask, chunk_tokens=chunk_tokens)
+
+        run()
+        model.reset_caches()  # the timed prefill writes from column 0 again
         base = _reset_peak(device)
-        seconds, _ = timed(lambda: prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask,
-                                           chunk_tokens=chunk_tokens), device)
+        seconds, _ = timed(run, device)
         extra = _peak_above(device, base)
     return seconds, extra, round(cache / GIB, 3)
 
 
 def measure_call(model, prompts, chunk_tokens, device):
-    """Seconds and peak GiB above the weights of a one-token ``CompiledSampler`` call."""
+    """Seconds and peak GiB above the weights of a one-token ``CompiledSampler`` call, timed after an
+    untimed one."""
     from logitless.rl.rollout import CompiledSampler
 
     sampler = CompiledSampler(compile=False, keep_cache=False, prefill_chunk_tokens=chunk_tokens)
+    def call():
+        return sampler(model, prompts, max_new_tokens=1, stop_tokens=[0], pad_id=0, num_generations=GROUP,
+                       temperature=1.0)
+
+    call()
     base = _reset_peak(device)
-    seconds, _ = timed(lambda: sampler(model, prompts, max_new_tokens=1, stop_tokens=[0], pad_id=0,
-                                       num_generations=GROUP, temperature=1.0), device)
+    seconds, _ = timed(call, device)
     return seconds, _peak_above(device, base)
 
 

@@ -27,3 +27,22 @@ def test_bad_chunk_tokens_are_refused_naming_the_flag(bench, capsys):
         bench.parse_args(["--chunk-tokens", "0"])
     assert "--chunk-tokens" in capsys.readouterr().err
     assert bench.parse_args(["--chunk-tokens", "4096,None"]).chunk_tokens == [4096, None]
+
+
+def test_each_timed_prefill_follows_an_untimed_one_of_its_shape(bench, monkeypatch):
+    # the first prefill at a shape pays kernel selection and allocator growth: a setting measured
+    # first would be charged for them
+    import torch
+
+    from logitless.rl.rollout import prefill as prefill_module
+
+    calls, real = [], prefill_module.prefill
+
+    def counting(model, tokens, **kwargs):
+        calls.append((tuple(tokens.shape), int(model.layers[0].attn.kv_cache.cache_pos[0])))
+        return real(model, tokens, **kwargs)
+
+    monkeypatch.setattr(prefill_module, "prefill", counting)
+    model = bench.build_model("tiny", torch.device("cpu"))
+    bench.measure_prefill(model, bench.prompts_of(model, 2, 24), 16, torch.device("cpu"))
+    assert calls == [((2, 24), 0), ((2, 24), 0)]  # the timed one also writes from column 0
