@@ -63,6 +63,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "components")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_generation module
 
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
@@ -75,6 +76,7 @@ from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
 from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops  # noqa: E402
 from logitless.training.model import compile_layers  # noqa: E402
+from bench_generation import run_metadata  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from kernel_breakdown import CATEGORIES, breakdown, profile_kernels  # noqa: E402
@@ -220,8 +222,7 @@ def measure(model, optimizer, reference, impl_name, cfg, device):
                G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
                micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared),
                prompt_sharing=shared, beta=cfg.beta, num_iterations=cfg.num_iterations,
-               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-               torch=torch.__version__)
+               **_run_columns(device))
     try:
         loss_fn = make_loss(impl, cfg.beta)
         loss_fn.set_model_output(model)
@@ -297,7 +298,7 @@ def run_model(name, args, device, dtype, writer, profile_writer=None):
         rows = [measure(model, optimizer, reference, impl_name, cfg, device) for impl_name in args.impls]
         for row in add_head_overhead(rows):
             profile = row.pop("profile", None)
-            print({k: v for k, v in row.items() if k not in ("device", "torch")}, flush=True)
+            print({k: v for k, v in row.items() if k not in _RUN_COLUMNS}, flush=True)
             writer.writerow(row)
             if profile is not None and profile_writer is not None:
                 print_profile(row, profile)
@@ -365,9 +366,8 @@ def search_limits(name, args, device, dtype, writer):
                    status="limits", G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
                    micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared), prompt_sharing=shared,
                    max_G=None if best_units is None else best_units * g_step, max_completion_len=best_len,
-                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                   torch=torch.__version__)
-        print({k: v for k, v in row.items() if k not in ("device", "torch")}, flush=True)
+                   **_run_columns(device))
+        print({k: v for k, v in row.items() if k not in _RUN_COLUMNS}, flush=True)
         writer.writerow(row)
     del model, optimizer
     free(device)
@@ -379,7 +379,17 @@ def int_list(text: str):
 
 #: The columns of a profile row that name its configuration (the rest is :func:`profile_update`'s).
 PROFILE_KEYS = ("model", "impl", "compile", "G", "prompt_len", "completion_len", "micro_batch_size",
-                "update_s", "update_mfu", "device", "torch")
+                "update_s", "update_mfu", "device", "torch", "triton", "torchtune", "date")
+
+
+_RUN_COLUMNS = ("device", "torch", "triton", "torchtune", "date")
+
+
+def _run_columns(device: torch.device) -> dict:
+    """The device, versions and date every CSV row carries."""
+    meta = run_metadata(device)
+    return dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                torch=meta["torch"], triton=meta["triton"], torchtune=meta["torchtune"], date=meta["date"])
 
 
 def print_profile(row, profile):
@@ -437,7 +447,7 @@ def main(argv=None):
               "step_s", "head_update_s",
               "static_gib", "update_peak_gib", "peak_gib", "head_update_gib", "max_G", "max_completion_len",
               "G", "prompt_len", "completion_len", "micro_batch_size", "prompt_sharing", "beta",
-              "num_iterations", "device", "torch"]
+              "num_iterations", "device", "torch", "triton", "torchtune", "date"]
     profile_out = args.profile_out or str(Path(args.out).with_name(Path(args.out).stem + "_profile.csv"))
     profile_fields = [*PROFILE_KEYS, "wall_ms", *CATEGORIES, "idle", "profiled_mfu", "kernels", "top_kernels"]
     with open(args.out, "w", newline="") as f, \

@@ -90,3 +90,20 @@ def test_compiled_layers_take_the_same_update(bench, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     assert out_compiled["update_flops"] == out_eager["update_flops"]
     torch._dynamo.reset()
+
+
+def test_rows_carry_the_versions_and_date_of_their_run(bench, tmp_path):
+    import csv
+    import datetime
+
+    out = tmp_path / "g.csv"
+    bench.main(["--models", "tiny", "--device", "cpu", "--dtype", "fp32", "--update-only", "--impls", "chunked",
+                "--G", "2", "--prompt-len", "8", "--completion-len", "4", "--micro-batch-size", "2", "--steps", "1",
+                "--out", str(out)])
+    (row,) = list(csv.DictReader(out.open()))
+    assert row["status"] == "ok" and row["torch"] == torch.__version__
+    from importlib.metadata import version
+
+    assert row["triton"] == version("triton") and row["torchtune"] == version("torchtune")
+    stamp = datetime.datetime.fromisoformat(row["date"])
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - stamp).total_seconds()) < 600
