@@ -96,16 +96,6 @@ def methods(args, cache_len, filled):
     return out
 
 
-def resolved_split_len(launch, rows, kv_heads, cache_len, device):
-    """The split length split-K runs with: the given one, or the automatic rule's for this shape."""
-    from logitless.ops.triton.decode_attention import default_split_len
-
-    if launch["split_len"] is not None:
-        return launch["split_len"]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(launch["block_n"], default_split_len(rows, kv_heads, cache_len, sms))
-
-
 def time_call(fn, device, reps, iters):
     """Seconds per call: a CUDA graph of ``reps`` calls replayed ``iters`` times (CUDA), else a loop."""
     if device.type != "cuda":
@@ -136,6 +126,8 @@ def time_call(fn, device, reps, iters):
 
 
 def bench(args):
+    from logitless.ops.triton.decode_attention import launch_split_len
+
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
@@ -154,7 +146,8 @@ def bench(args):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
                                bytes=nbytes, status="ok", **{k: "auto" if v is None else v for k, v in launch.items()})
                     if name == "split_k":
-                        row["resolved_split_len"] = resolved_split_len(launch, rows, hkv, args.cache_len, device)
+                        row["resolved_split_len"] = launch["split_len"] or launch_split_len(
+                            rows, hkv, args.cache_len, launch["block_n"], device)
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)

@@ -21,6 +21,11 @@ MODEL_NAMES = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "7b": "Qwen2.5-7B
 _ORDER = list(MODEL_NAMES)
 
 
+def _case_order(case) -> tuple:
+    # (model, rows, a number, ...): model in MODEL_NAMES' order, then the counts numerically
+    return (_ORDER.index(case[0]), int(case[1]), int(case[2] or 0), *case[3:])
+
+
 def _read(path: Path) -> List[Dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -47,7 +52,7 @@ def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
     mix = {case(r): r for r in kept if r["mix"] == "mix"}
     out = ["| model | rows | new tokens | attention | step (ms) | roofline (ms) | of roofline | uniform tok/s | "
            "mix tok/s (mean length) | options |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    for key in sorted(uniform, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2] or 0), k[3], k[4])):
+    for key in sorted(uniform, key=_case_order):
         u, m = uniform[key], mix.get(key)
         mixed = f"{float(m['tokens_per_s']):,.0f} ({float(m['mean_len']):.0f})" if m else "-"
         out.append(f"| {MODEL_NAMES[key[0]]} | {key[1]} | {key[2]} | {key[3]} | {float(u['step_ms']):.3f} | "
@@ -69,8 +74,7 @@ def attention_table(rows: List[Dict[str, str]]) -> str:
     by = {(r["model"], r["rows"], r["filled"], r["method"]): r for r in rows}
     out = ["| model | rows | filled | SDPA window (us) | SDPA whole cache (us) | split-K (us) | "
            "split-K / window | split-K of copy bandwidth |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    cases = sorted({k[:3] for k in by if k[3] == "split_k"},
-                   key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    cases = sorted({k[:3] for k in by if k[3] == "split_k"}, key=_case_order)
     for model, n, filled in cases:
         split = by[(model, n, filled, "split_k")]
         window = float(by[(model, n, filled, "sdpa_window")]["us"])
@@ -104,7 +108,7 @@ def split_length_table(rows: List[Dict[str, str]], block_n: str = "64") -> str:
                 auto[case, r["date"] == last] = r
         else:
             fixed[case, int(r["split_len"])] = float(r["us"])
-    cases = sorted({case for case, _ in auto}, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    cases = sorted({case for case, _ in auto}, key=_case_order)
     out = ["| model | rows | filled | " + " | ".join(f"split {n} (us)" for n in lengths) +
            " | rule before: split, us | rule now: split, us | now / before |",
            "|---|---:|---:|" + "---:|" * (len(lengths) + 3)]
@@ -137,7 +141,7 @@ def prefill_table(rows: List[Dict[str, str]]) -> str:
     out = ["| model | prompts x G | prompt tokens | chunked prefill (s) | one forward (s) | chunked extra (GiB) | "
            "one forward extra (GiB) | prompt cache (GiB) | chunked call peak (GiB) | one-forward call peak (GiB) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    cases = sorted({k[:3] for k in by}, key=lambda k: (_ORDER.index(k[0]), int(k[1]), int(k[2])))
+    cases = sorted({k[:3] for k in by}, key=_case_order)
     for model, prompts, width in cases:
         chunked, whole = by.get((model, prompts, width, True)), by.get((model, prompts, width, False))
         g = (chunked or whole)["G"]

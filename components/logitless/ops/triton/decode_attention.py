@@ -25,8 +25,9 @@ cache buffers themselves (no copy). Off CUDA it runs :func:`decode_attention_ref
 PyTorch) unless the Triton interpreter is requested (``TRITON_INTERPRET=1``, how the tests run the
 kernels on CPU tensors).
 
-The launch parameters (split length, ``BLOCK_N``, warps) are sensible guesses for an H200 at
-Qwen2.5 shapes (head_dim 64 and 128, caches up to a few thousand columns), not measured choices.
+The launch parameters were chosen for an H200 at Qwen2.5 shapes (head_dim 64 and 128, caches up to
+a few thousand columns): the split length's floor (``MIN_SPLIT``) and ``BLOCK_N`` from a sweep at
+8-64 rows, the warps a guess.
 
 Example:
     >>> q = torch.randn(8, 14, 64, device="cuda", dtype=torch.bfloat16)          # (B, Hq, D)
@@ -47,7 +48,7 @@ from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
 
-__all__ = ["decode_attention", "decode_attention_reference", "default_split_len"]
+__all__ = ["decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Columns per inner-loop block of a split.
@@ -201,6 +202,25 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
+def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device) -> int:
+    """The split length the kernel runs with when none is given: :func:`default_split_len` for
+    ``device``'s SMs, at least one ``block_n`` block.
+
+    Args:
+        rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
+        block_n (int): columns per inner-loop block.
+        device (torch.device): where the kernel runs (its SM count; 132 off CUDA).
+
+    Returns:
+        int: columns per split.
+
+    Example:
+        >>> launch_split_len(8, 2, 1536, 64, torch.device("cpu"))
+        256
+    """
+    return max(block_n, default_split_len(rows, kv_heads, length, _num_sms(device)))
+
+
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
                                scale: float) -> Tensor:
     """The same attention in plain PyTorch (fp32 softmax, shapes independent of ``n_filled``).
@@ -271,7 +291,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_f
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     block_n = block_n or BLOCK_N
     if split_len == 0:
-        split_len = max(block_n, default_split_len(q.shape[0], k.shape[1], k.shape[2], _num_sms(q.device)))
+        split_len = launch_split_len(q.shape[0], k.shape[1], k.shape[2], block_n, q.device)
     return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps or NUM_WARPS)
 
 
