@@ -11,8 +11,11 @@ few columns of left padding. Methods:
   ``--window`` columns (its ``attention_window``);
 * ``sdpa_full``: the same over the whole cache (``attention_window=None``);
 * ``split_k``: :func:`logitless.ops.triton.decode_attention` (``decode_attention="split_k"``), with the
-  automatic split length, and with each of ``--split-lens`` when given (times each of ``--block-ns``
-  and ``--warps``: a sweep of the launch parameters).
+  automatic split length, and with each of ``--split-lens`` when given (times each of ``--block-ns``,
+  ``--warps``, ``--stages`` and ``--programmatic``: a sweep of the launch parameters; the kernel's
+  defaults, ``BLOCK_N``, ``NUM_WARPS`` and ``NUM_STAGES`` of ``logitless.ops.triton.decode_attention``,
+  where none is given). The
+  CSV records the parameters each run resolved to.
 
 On CUDA each method is timed as a CUDA graph of ``--reps`` calls, replayed (the sampler replays its
 captured step, so launch gaps do not count). ``bytes`` is what the step must read: the filled keys
@@ -29,6 +32,7 @@ Example (H200):
 import argparse
 import csv
 import datetime
+import itertools
 import math
 import os
 import sys
@@ -46,7 +50,7 @@ SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny":
 METHODS = ("sdpa_window", "sdpa_full", "split_k")
 CACHE_ROWS = 64
 FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len",
-          "resolved_split_len", "block_n", "num_warps", "us",
+          "resolved_split_len", "block_n", "num_warps", "num_stages", "programmatic", "us",
           "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
@@ -75,7 +79,8 @@ def sdpa_step(q, k, v, valid, n_filled, window):
 
 def methods(args, cache_len, filled):
     """``(method, launch parameters, callable(q, k, v, valid, n_filled))`` of one configuration;
-    split-K once per (split length: ``auto`` and ``--split-lens``) x ``--block-ns`` x ``--warps``."""
+    split-K once per (split length: ``auto`` and ``--split-lens``) x ``--block-ns`` x ``--warps`` x
+    ``--stages`` x ``--programmatic`` (None: the kernel's default)."""
     from logitless.ops.triton import decode_attention
 
     window = min(cache_len, -(-filled // args.window) * args.window)
@@ -86,13 +91,14 @@ def methods(args, cache_len, filled):
         elif name == "sdpa_full":
             out.append((name, {}, lambda q, k, v, m, n: sdpa_step(q, k, v, m, n, cache_len)))
         else:
-            for split in [None] + args.split_lens:
-                for block_n in args.block_ns:
-                    for warps in args.warps:
-                        launch = dict(split_len=split, block_n=block_n if split is None else min(split, block_n),
-                                      num_warps=warps)
-                        out.append((name, launch, lambda q, k, v, m, n, kw=launch: decode_attention(q, k, v, m, n,
-                                                                                                    **kw)))
+            for split, block_n, warps, stages, programmatic in itertools.product(
+                    [None] + args.split_lens, args.block_ns or [None], args.warps or [None], args.stages or [None],
+                    args.programmatic):
+                if split is not None and block_n is not None:
+                    block_n = min(split, block_n)
+                launch = dict(split_len=split, block_n=block_n, num_warps=warps, num_stages=stages,
+                              programmatic_launch=bool(programmatic))
+                out.append((name, launch, lambda q, k, v, m, n, kw=launch: decode_attention(q, k, v, m, n, **kw)))
     return out
 
 
@@ -125,9 +131,29 @@ def time_call(fn, device, reps, iters):
     return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
-def bench(args):
-    from logitless.ops.triton.decode_attention import launch_split_len
+def resolved_launch(launch, rows, kv_heads, cache_len, device):
+    """The launch parameters split-K runs with: those given, the kernel's defaults for the rest.
 
+    Returns:
+        dict: ``split_len`` (``"auto"`` or the one given), ``resolved_split_len``, ``block_n``,
+        ``num_warps``, ``num_stages`` and ``programmatic`` (0/1, as asked; the kernel uses it where the
+        GPU supports it).
+    """
+    from logitless.ops.triton.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, launch_split_len
+
+    block_n, warps, stages = BLOCK_N, NUM_WARPS, NUM_STAGES
+    split = launch["split_len"]
+    if launch["block_n"] is not None:
+        block_n = launch["block_n"]
+    elif split is not None:
+        block_n = min(block_n, split)
+    return dict(split_len="auto" if split is None else split,
+                resolved_split_len=split or launch_split_len(rows, kv_heads, cache_len, block_n, device),
+                block_n=block_n, num_warps=launch["num_warps"] or warps, num_stages=launch["num_stages"] or stages,
+                programmatic=int(launch["programmatic_launch"]))
+
+
+def bench(args):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
@@ -144,10 +170,9 @@ def bench(args):
                 reference = sdpa_step(q, k, v, valid, n_filled, args.cache_len).float()
                 for name, launch, fn in methods(args, args.cache_len, filled):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
-                               bytes=nbytes, status="ok", **{k: "auto" if v is None else v for k, v in launch.items()})
+                               bytes=nbytes, status="ok")
                     if name == "split_k":
-                        row["resolved_split_len"] = launch["split_len"] or launch_split_len(
-                            rows, hkv, args.cache_len, launch["block_n"], device)
+                        row.update(resolved_launch(launch, rows, hkv, args.cache_len, device))
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
@@ -157,7 +182,8 @@ def bench(args):
                                    of_copy_bw="" if math.isnan(roof) else round(roof / seconds, 3))
                     except Exception as exc:  # one failing configuration must not hide the others' numbers
                         row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
-                    tag = " ".join(f"{k}={row[k]}" for k in launch)
+                    tag = " ".join(f"{k}={row[k]}" for k in ("resolved_split_len", "block_n", "num_warps", "num_stages",
+                                                             "programmatic") if k in row)
                     print(f"[{model} rows={rows} filled={filled}] {name:>11} {tag}: {row.get('us', '-')} us "
                           f"({row.get('of_copy_bw', '-')} of copy bw) max_diff {row.get('max_diff', '-')} "
                           f"{row['status']}", flush=True)
@@ -165,7 +191,8 @@ def bench(args):
     return rows_out, bandwidth
 
 
-TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "resolved_split_len", "block_n", "num_warps", "us",
+TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "resolved_split_len", "block_n", "num_warps",
+                 "num_stages", "programmatic", "us",
                  "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
@@ -182,9 +209,12 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=256, help="sdpa_window's attention_window")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
     ap.add_argument("--split-lens", type=_ints, default=[], help="split_k split lengths to time besides 'auto'")
-    ap.add_argument("--block-ns", type=_ints, default=[64],
-                    help="split_k columns per inner block (capped at the split)")
-    ap.add_argument("--warps", type=_ints, default=[4], help="split_k warps per program")
+    ap.add_argument("--block-ns", type=_ints, default=[],
+                    help="split_k columns per inner block (capped at the split; default: the kernel's)")
+    ap.add_argument("--warps", type=_ints, default=[], help="split_k warps per program (default: the kernel's)")
+    ap.add_argument("--stages", type=_ints, default=[], help="split_k pipeline stages (default: the kernel's)")
+    ap.add_argument("--programmatic", type=_ints, default=[1],
+                    help="split_k programmatic dependent launch, 1 and/or 0 (used where the GPU has it)")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -197,6 +227,8 @@ def parse_args(argv=None):
     for name in args.methods:
         if name not in METHODS:
             ap.error(f"--methods: unknown {name!r}, expected some of {list(METHODS)}")
+    if not args.programmatic or set(args.programmatic) - {0, 1}:
+        ap.error(f"--programmatic: expected 1 and/or 0, got {args.programmatic}")
     for n in args.filled:
         if not 1 <= n <= args.cache_len:
             ap.error(f"--filled: {n} is not in [1, --cache-len={args.cache_len}]")

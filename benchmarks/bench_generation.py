@@ -24,7 +24,8 @@ in-graph sampling: every row decodes until the longest finishes, sampling runs e
 
 ``--profile`` runs one configuration under ``torch.profiler`` and prints the top kernels by device
 time, the device-busy share of the decode loop (the rest is launch gaps and host work) and the host
-syncs.
+syncs; on CUDA also one decode step's kernel time and launches per category and per kernel
+(:func:`step_breakdown`).
 
 Example (H200):
     PYTHONPATH=components python benchmarks/bench_generation.py --models 0.5b,1.5b,7b --rows 16,64 \\
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_sft module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_sft, kernel_breakdown
 from bench_sft import _add_columns  # noqa: E402
 
 MODELS = {  # name: torchtune builder
@@ -289,6 +290,59 @@ def profile(model, sampler, rows, prompt_len, new_tokens, device, top=20):
     print(f"profile: {seconds * 1e3:.1f} ms for {rows} rows x {new_tokens} tokens; kernels busy {busy * 1e3:.1f} ms "
           f"({busy / seconds:.0%}); host syncs/item calls {syncs}; per step {seconds / new_tokens * 1e3:.3f} ms "
           f"(sorted by {sort}; {attr})", flush=True)
+    if device.type == "cuda" and new_tokens > 1:
+        print(step_breakdown_table(step_breakdown(model, sampler, prompts, new_tokens, device)), flush=True)
+
+
+def step_breakdown(model, sampler, prompts, new_tokens, device, top=12):
+    """Where one decode step's time goes: kernel time and launches per category and per kernel name.
+
+    Profiles a ``new_tokens`` call and a one-token call (the same prefill) and divides their
+    difference by ``new_tokens - 1``, as the step time is measured (``benchmarks/kernel_breakdown.py``
+    names the categories; ``idle`` is the step's wall time the kernels leave uncovered).
+
+    Returns:
+        dict: ``{"us": {category: us per step, "busy", "idle", "wall"}, "launches": {category: per step},
+        "top": [(kernel name, us per step, launches per step), ...]}``.
+    """
+    from kernel_breakdown import CATEGORIES, breakdown, profile_kernels
+
+    never = [model.tok_embeddings.num_embeddings]
+    calls = [profile_kernels(lambda n=n: sample(sampler, model, prompts, n, never, 2), device)
+             for n in (new_tokens, 1)]
+    (long_k, long_wall), (short_k, short_wall) = calls
+    steps = new_tokens - 1
+    a, b = breakdown(long_k, long_wall), breakdown(short_k, short_wall)
+    us = {c: (a[c] - b[c]) / steps for c in CATEGORIES + ("busy",)}
+    us["wall"] = (long_wall - short_wall) / steps
+    # with programmatic launches a kernel's span starts before the one it waits for ends, so spans
+    # overlap and may even cover more than the wall (profiler and event clocks differ): no idle then
+    us["idle"] = max(0.0, us["wall"] - us["busy"])
+    per_name = {}
+    for sign, kernels in ((1, long_k), (-1, short_k)):
+        for name, start, end in kernels:
+            t, n = per_name.get(name, (0.0, 0))
+            per_name[name] = (t + sign * (end - start), n + sign)
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"us": us, "launches": {c: (a["launches"][c] - b["launches"][c]) / steps for c in CATEGORIES},
+            "top": [(name, t / steps, n / steps) for name, (t, n) in ranked]}
+
+
+def step_breakdown_table(split):
+    """Markdown tables of :func:`step_breakdown`: categories, then the top kernels."""
+    us = split["us"]
+    spans = sum(us[cat] for cat in split["launches"])
+    lines = [f"decode step: {us['wall']:.1f} us wall, {us['busy']:.1f} busy, {us['idle']:.1f} idle"
+             + (f" (kernel spans sum to {spans:.1f} us: they overlap, as programmatic launches make them)"
+                if spans > us["busy"] + 1.0 or us["busy"] > us["wall"] else ""),
+             "", "| category | us / step | launches / step | us / launch |", "|---|---:|---:|---:|"]
+    for cat, launches in split["launches"].items():
+        if launches > 0:
+            t = split["us"][cat]
+            lines.append(f"| {cat} | {t:.1f} | {launches:.1f} | {t / launches:.2f} |")
+    lines += ["", "| kernel | us / step | launches / step |", "|---|---:|---:|"]
+    lines += [f"| {name[:90]} | {t:.1f} | {n:.1f} |" for name, t, n in split["top"]]
+    return "\n".join(lines)
 
 
 def _gpu_name(device):

@@ -6,7 +6,10 @@
   cache and the split-K kernel per layer, at each model's attention shape;
 - split-K's split length (``decode_attention_split_len_h200.csv``): each fixed length against the
   automatic rule before and after it changed (the file's first run and its last);
-- long-prompt prefill (``prefill_h200.csv``): chunked against one forward, time and memory.
+- long-prompt prefill (``prefill_h200.csv``): chunked against one forward, time and memory;
+- programmatic dependent launches (``generation_programmatic_launch_h200.csv``): the decode step
+  before and after, per setting of one run;
+- one decode step's kernel time and launches by category (``decode_step_breakdown_h200.csv``).
 
 Usage:
     python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
@@ -40,8 +43,8 @@ def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
         since (str): keep rows whose ``date`` sorts at or after this ISO prefix.
 
     Returns:
-        str: a markdown table (the run's ``--compiled-options`` in the last column; a later row of
-        the same case replaces an earlier one).
+        str: a markdown table (the run's ``--compiled-options`` and the UTC hour it was measured in
+        the last columns; a later row of the same case replaces an earlier one).
     """
     kept = [r for r in rows if r["date"] >= since and r.get("decode_attention")]
 
@@ -51,13 +54,60 @@ def decode_step_table(rows: List[Dict[str, str]], since: str) -> str:
     uniform = {case(r): r for r in kept if r["mix"] == "uniform"}
     mix = {case(r): r for r in kept if r["mix"] == "mix"}
     out = ["| model | rows | new tokens | attention | step (ms) | roofline (ms) | of roofline | uniform tok/s | "
-           "mix tok/s (mean length) | options |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+           "mix tok/s (mean length) | options | measured |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for key in sorted(uniform, key=_case_order):
         u, m = uniform[key], mix.get(key)
         mixed = f"{float(m['tokens_per_s']):,.0f} ({float(m['mean_len']):.0f})" if m else "-"
         out.append(f"| {MODEL_NAMES[key[0]]} | {key[1]} | {key[2]} | {key[3]} | {float(u['step_ms']):.3f} | "
                    f"{float(u['roofline_ms']):.3f} | {100 * float(u['roofline_frac']):.1f}% | "
-                   f"{float(u['tokens_per_s']):,.0f} | {mixed} | {key[4]} |")
+                   f"{float(u['tokens_per_s']):,.0f} | {mixed} | {key[4]} | {u['date'][:13].replace('T', ' ')}h |")
+    return "\n".join(out)
+
+
+def programmatic_launch_table(rows: List[Dict[str, str]]) -> str:
+    """The decode step per model and setting of ``generation_programmatic_launch_h200.csv``.
+
+    Args:
+        rows (List[Dict[str, str]]): rows with ``setting`` and ``date`` besides bench_generation's columns.
+
+    Returns:
+        str: a markdown table, runs in file order (settings of one run share a date's hour).
+    """
+    mix = {(r["date"][:13], r["model"], r["setting"]): r for r in rows if r["mix"] == "mix"}
+    out = ["| run (UTC) | model | setting | step (ms) | of roofline | mix call (s) | mix tok/s |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["mix"] != "uniform":
+            continue
+        m = mix.get((r["date"][:13], r["model"], r["setting"]))
+        out.append(f"| {r['date'][:16].replace('T', ' ')} | {MODEL_NAMES[r['model']]} | {r['setting']} | "
+                   f"{float(r['step_ms']):.3f} | {100 * float(r['roofline_frac']):.1f}% | "
+                   f"{float(m['seconds']):.3f} | {float(m['tokens_per_s']):,.0f} |" if m else "- | - |")
+    return "\n".join(out)
+
+
+def step_breakdown_table(rows: List[Dict[str, str]]) -> str:
+    """Kernel time and launches per decode step by category, one column pair per (model, code).
+
+    Args:
+        rows (List[Dict[str, str]]): rows of ``decode_step_breakdown_h200.csv``.
+
+    Returns:
+        str: a markdown table; its first row is the step's wall time.
+    """
+    runs = list(dict.fromkeys((r["model"], r["code"]) for r in rows))
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    by = {(r["model"], r["code"], r["category"]): r for r in rows}
+    wall = {(r["model"], r["code"]): r["wall_us"] for r in rows}
+    out = ["| us / step (launches) | " + " | ".join(f"{MODEL_NAMES[m]}, {c}" for m, c in runs) + " |",
+           "|---|" + "---:|" * len(runs),
+           "| wall | " + " | ".join(f"{float(wall[run]):.0f}" for run in runs) + " |"]
+    for cat in cats:
+        cells = []
+        for model, code in runs:
+            r = by.get((model, code, cat))
+            cells.append(f"{float(r['us_per_step']):.0f} ({float(r['launches_per_step']):.0f})" if r else "-")
+        out.append(f"| {cat} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -165,6 +215,10 @@ def main(argv=None) -> None:
     print(split_length_table(_read(results / "decode_attention_split_len_h200.csv")))
     print()
     print(prefill_table(_read(results / "prefill_h200.csv")))
+    print()
+    print(programmatic_launch_table(_read(results / "generation_programmatic_launch_h200.csv")))
+    print()
+    print(step_breakdown_table(_read(results / "decode_step_breakdown_h200.csv")))
 
 
 if __name__ == "__main__":

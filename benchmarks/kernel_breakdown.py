@@ -33,7 +33,7 @@ _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("optimizer", ("multi_tensor_apply", "fused_adam", "fusedadam", "adamw", "_foreach", "lpnorm",
                    "norm_two_reduce")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa",
-                   "triton_tem_fused_flex", "flex_attention")),
+                   "triton_tem_fused_flex", "flex_attention", "decode_partial_kernel", "decode_merge_kernel")),
     ("gemm", ("gemm", "xmma", "cutlass", "sm90_", "sm80_", "ampere_", "hopper_", "cublas", "matmul",
               "nvjet", "splitkreduce")),
     ("copy", ("memcpy", "memset", "copy_kernel", "index_kernel", "index_elementwise", "catarray", "cat_array",
@@ -95,20 +95,24 @@ def breakdown(kernels: List[Tuple[str, float, float]], wall_us: float, top: int 
 
     Returns:
         Dict[str, object]: ``{category: microseconds}`` for every category, ``"idle"`` (microseconds),
-        ``"busy"`` (microseconds of the union of kernel intervals) and ``"top"`` (``[(name, us), ...]``).
+        ``"busy"`` (microseconds of the union of kernel intervals), ``"launches"`` (``{category:
+        kernel count}``) and ``"top"`` (``[(name, us), ...]``).
 
     Example:
         >>> out = breakdown([("gemm_a", 0.0, 6.0), ("vectorized_elementwise_kernel", 6.0, 8.0)], wall_us=10.0)
-        >>> out["gemm"], out["elementwise"], out["idle"]
-        (6.0, 2.0, 2.0)
+        >>> out["gemm"], out["elementwise"], out["idle"], out["launches"]["gemm"]
+        (6.0, 2.0, 2.0, 1)
     """
     per_cat = {c: 0.0 for c in CATEGORIES}
+    launches = {c: 0 for c in CATEGORIES}
     per_kernel: Dict[str, float] = {}
     for name, start, end in kernels:
-        per_cat[category(name)] += end - start
+        cat = category(name)
+        per_cat[cat] += end - start
+        launches[cat] += 1
         per_kernel[name] = per_kernel.get(name, 0.0) + end - start
     busy = busy_time((s, e) for _, s, e in kernels)
-    return {**per_cat, "busy": busy, "idle": max(0.0, wall_us - busy),
+    return {**per_cat, "busy": busy, "idle": max(0.0, wall_us - busy), "launches": launches,
             "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]}
 
 

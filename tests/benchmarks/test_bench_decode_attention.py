@@ -16,10 +16,15 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
     assert bench.main(["--models", "tiny", "--device", "cpu", "--rows", "2", "--cache-len", "64", "--filled", "9,64",
                        "--split-lens", "16", "--reps", "1", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert [(r["filled"], r["method"], r["split_len"], r["block_n"]) for r in rows] == [
-        (f, m, s, b) for f in ("9", "64") for m, s, b in (("sdpa_window", "", ""), ("sdpa_full", "", ""),
-                                                          ("split_k", "auto", "64"), ("split_k", "16", "16"))]
     hq, hkv, dim = bench.SHAPES["tiny"]
+    from logitless.ops.triton.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS
+
+    block_n, warps, stages = map(str, (BLOCK_N, NUM_WARPS, NUM_STAGES))  # no launch flag: the defaults, recorded
+    assert [(r["filled"], r["method"], r["split_len"], r["block_n"], r["num_warps"], r["num_stages"])
+            for r in rows] == [
+        (f, m, s, b, w, st) for f in ("9", "64")
+        for m, s, b, w, st in (("sdpa_window", "", "", "", ""), ("sdpa_full", "", "", "", ""),
+                               ("split_k", "auto", block_n, warps, stages), ("split_k", "16", "16", warps, stages))]
     for r in rows:
         assert r["status"] == "ok" and float(r["us"]) > 0
         assert float(r["max_diff"]) < 1e-5  # fp32 on the CPU: every method is the same attention
@@ -29,10 +34,23 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
 
     # the length split-K ran with: the automatic rule's (at least one block) or the one asked for
     assert [r["resolved_split_len"] for r in rows if r["method"] == "split_k"] == 2 * [
-        str(max(64, default_split_len(2, hkv, 64))), "16"]
+        str(max(int(block_n), default_split_len(2, hkv, 64))), "16"]
+
+
+def test_launch_flags_sweep_every_combination_and_are_recorded(bench, tmp_path):
+    out = tmp_path / "attn.csv"
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--rows", "2", "--cache-len", "64", "--filled", "40",
+                       "--methods", "split_k", "--split-lens", "32", "--block-ns", "16,64", "--stages", "2",
+                       "--warps", "2", "--programmatic", "1,0", "--reps", "1", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    got = [(r["split_len"], r["block_n"], r["num_warps"], r["num_stages"], r["programmatic"]) for r in rows]
+    # a block longer than the split given is cut to it
+    assert got == [(s, b, "2", "2", p) for s, bs in (("auto", ("16", "64")), ("32", ("16", "32")))
+                   for b in bs for p in ("1", "0")]
+    assert all(r["status"] == "ok" and float(r["max_diff"]) < 1e-5 for r in rows)
 
 
 def test_bad_flags_are_refused(bench):
-    for bad in (["--models", "13b"], ["--methods", "flash"], ["--filled", "5000"]):
+    for bad in (["--models", "13b"], ["--methods", "flash"], ["--filled", "5000"], ["--programmatic", "2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -120,3 +120,45 @@ def test_random_weights_are_the_same_in_every_run(bench):
         assert torch.equal(a, b), name
     other = bench.build_dotted(bench.MODELS["tiny"], torch.device("cpu"), seed=1)
     assert not torch.equal(other.tok_embeddings.weight, first.tok_embeddings.weight)
+
+
+def test_step_breakdown_is_the_difference_of_two_calls_per_step(bench, monkeypatch):
+    # a 5-token call and a one-token call share the prefill: what one decode step costs is their
+    # difference over 4 steps, per category and per kernel name
+    import kernel_breakdown
+    import torch
+
+    long_call = [("nvjet_gemm_prefill", 0.0, 100.0)] + [
+        k for step in range(4) for k in (("nvjet_gemm_a", 200.0 + 50 * step, 230.0 + 50 * step),
+                                         ("decode_partial_kernel", 230.0 + 50 * step, 240.0 + 50 * step))]
+    short_call = [("nvjet_gemm_prefill", 0.0, 100.0)]
+    calls = iter([(long_call, 420.0), (short_call, 120.0)])
+    monkeypatch.setattr(kernel_breakdown, "profile_kernels", lambda fn, device: next(calls))
+    monkeypatch.setattr(bench, "sample", lambda *a, **k: None)
+    model = bench.build_model("tiny", torch.device("cpu"))
+    split = bench.step_breakdown(model, None, [[1]], 5, torch.device("cpu"))
+    assert split["us"]["gemm"] == 30.0 and split["us"]["attention"] == 10.0
+    assert split["us"]["wall"] == (420.0 - 120.0) / 4 and split["us"]["busy"] == 40.0
+    assert split["us"]["idle"] == split["us"]["wall"] - 40.0
+    assert split["launches"]["gemm"] == 1 and split["launches"]["attention"] == 1
+    assert split["top"][0] == ("nvjet_gemm_a", 30.0, 1.0)
+    assert [name for name, _, _ in split["top"]] == ["nvjet_gemm_a", "decode_partial_kernel", "nvjet_gemm_prefill"]
+    table = bench.step_breakdown_table(split)
+    assert "| gemm | 30.0 | 1.0 | 30.00 |" in table and "| attention | 10.0 | 1.0 | 10.00 |" in table
+    assert "overlap" not in table
+
+
+def test_step_breakdown_never_reports_negative_idle_when_kernel_spans_overlap(bench, monkeypatch):
+    # a programmatic launch starts before the kernel it waits for ends: spans overlap the wall
+    import kernel_breakdown
+    import torch
+
+    long_call = [("nvjet_gemm_a", 0.0, 30.0), ("decode_partial_kernel", 10.0, 40.0),
+                 ("nvjet_gemm_a", 40.0, 70.0), ("decode_partial_kernel", 50.0, 80.0)]
+    calls = iter([(long_call, 60.0), ([], 0.0)])
+    monkeypatch.setattr(kernel_breakdown, "profile_kernels", lambda fn, device: next(calls))
+    monkeypatch.setattr(bench, "sample", lambda *a, **k: None)
+    split = bench.step_breakdown(bench.build_model("tiny", torch.device("cpu")), None, [[1]], 3,
+                                 torch.device("cpu"))
+    assert split["us"]["busy"] == 40.0 and split["us"]["wall"] == 30.0 and split["us"]["idle"] == 0.0
+    assert "kernel spans sum to 60.0 us: they overlap" in bench.step_breakdown_table(split)

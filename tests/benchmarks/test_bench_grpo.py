@@ -42,6 +42,8 @@ NAMED = {
     "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copy",
     "void at::native::index_elementwise_kernel<128, 4>": "copy",
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "other",
+    "decode_partial_kernel": "attention",  # logitless's split-K decode attention
+    "decode_merge_kernel": "attention",
 }
 
 
@@ -59,6 +61,8 @@ def test_breakdown_sums_categories_and_counts_overlap_once(kb):
     assert out["busy"] == 50.0 + 10.0 + 5.0 + 10.0  # union: 0..50, 60..75, 80..90
     assert out["idle"] == 100.0 - out["busy"]
     assert out["top"] == [("nvjet_gemm_a", 50.0), ("flash_fwd_kernel", 20.0)]
+    assert out["launches"] == {**{c: 0 for c in kb.CATEGORIES}, "gemm": 2, "attention": 1, "head": 1,
+                               "elementwise": 1}
 
 
 def test_profile_update_needs_cuda(bench, tmp_path, capsys):

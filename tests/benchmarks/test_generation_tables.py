@@ -24,9 +24,35 @@ def test_decode_step_table_pairs_uniform_and_mix_rows(tables, tmp_path):
         ("2026-11-22T10", "0.5b", "16", "512", "split_k", "", "uniform", "9", "9", "0.9", "1", "512"),  # before --since
     )]
     lines = tables.decode_step_table(rows, "2026-11-23T14").splitlines()
-    assert lines[2:] == ["| Qwen2.5-0.5B | 16 | 2048 | sdpa | 1.500 | 0.500 | 30.0% | 100 | - |  |",
-                         "| Qwen2.5-7B | 64 | 512 | split_k | 6.200 | 4.400 | 71.0% | 9,906 | 3,151 (146) |  |",
-                         "| Qwen2.5-7B | 64 | 512 | split_k | 7.000 | 4.400 | 63.0% | 9,000 | - | x=1 |"]
+    assert lines[2:] == ["| Qwen2.5-0.5B | 16 | 2048 | sdpa | 1.500 | 0.500 | 30.0% | 100 | - |  | 2026-11-23 15h |",
+                         "| Qwen2.5-7B | 64 | 512 | split_k | 6.200 | 4.400 | 71.0% | 9,906 | 3,151 (146) |  | "
+                         "2026-11-23 15h |",
+                         "| Qwen2.5-7B | 64 | 512 | split_k | 7.000 | 4.400 | 63.0% | 9,000 | - | x=1 | 2026-11-23 15h |"]
+
+
+def test_programmatic_launch_table_pairs_each_setting_with_its_mix(tables):
+    fields = ["date", "model", "setting", "mix", "step_ms", "roofline_frac", "seconds", "tokens_per_s"]
+    rows = [dict(zip(fields, v)) for v in (
+        ("2026-11-23T19:30:21", "1.5b", "off", "uniform", "2.856", "0.454", "1.7", "21741.9"),
+        ("2026-11-23T19:30:21", "1.5b", "off", "mix", "", "", "1.291", "8596.5"),
+        ("2026-11-23T19:31:27", "1.5b", "on", "uniform", "2.676", "0.482", "1.6", "23153.8"),
+        ("2026-11-23T19:31:27", "1.5b", "on", "mix", "", "", "1.194", "9295.2"),
+    )]
+    assert tables.programmatic_launch_table(rows).splitlines()[2:] == [
+        "| 2026-11-23 19:30 | Qwen2.5-1.5B | off | 2.856 | 45.4% | 1.291 | 8,596 |",
+        "| 2026-11-23 19:31 | Qwen2.5-1.5B | on | 2.676 | 48.2% | 1.194 | 9,295 |"]
+
+
+def test_step_breakdown_table_has_a_column_per_run_and_the_wall_first(tables):
+    fields = ["model", "code", "wall_us", "category", "us_per_step", "launches_per_step"]
+    rows = [dict(zip(fields, v)) for v in (
+        ("1.5b", "before", "2989.2", "gemm", "1278.0", "141.0"),
+        ("1.5b", "before", "2989.2", "attention", "895.7", "112.0"),
+        ("0.5b", "before", "1728.0", "gemm", "663.3", "121.0"),
+    )]
+    assert tables.step_breakdown_table(rows).splitlines() == [
+        "| us / step (launches) | Qwen2.5-1.5B, before | Qwen2.5-0.5B, before |", "|---|---:|---:|",
+        "| wall | 2989 | 1728 |", "| gemm | 1278 (141) | 663 (121) |", "| attention | 896 (112) | - |"]
 
 
 def test_committed_attention_table_ratio_is_the_csv_ratio(tables):

@@ -63,6 +63,39 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
             assert err(other) <= 1.5 * err(sdpa) + (1e-6 if dtype == torch.float32 else 0.0)
 
 
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(model):
+    # programmatic dependent launches let a kernel start while the one before finishes: the output
+    # must not change, also when a graph chains many calls that each read the previous one's output
+    from logitless.ops.triton import decode_attention
+    from logitless.ops.triton.decode_attention import supports_programmatic_launch
+
+    if not supports_programmatic_launch(torch.device("cuda")):
+        pytest.skip("needs a GPU of compute capability 9.0 or later")
+    hq, hkv, dim = SHAPES[model]
+    q, k, v, valid = _problem(hq, hkv, dim, 64, torch.bfloat16, seed=7)
+    nf = torch.tensor([1100], device="cuda")
+
+    def chain(programmatic):
+        x = q
+        for _ in range(8):  # each call's query is the last one's output
+            x = decode_attention(x, k, v, valid, nf, programmatic_launch=programmatic)
+        return x
+
+    plain = chain(False)
+    assert torch.equal(chain(True), plain)
+    x_in = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    chain(True)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        x = x_in
+        for _ in range(8):
+            x = decode_attention(x, k, v, valid, nf, programmatic_launch=True)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(x, plain)
+
+
 PROMPTS = [[(7 * i + 3 * p) % 5000 + 10 for i in range(200 + 50 * p)] for p in range(4)]
 
 

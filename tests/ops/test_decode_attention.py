@@ -154,10 +154,11 @@ def test_one_graph_under_torch_compile():
     (dict(n_filled=torch.tensor(5)), "n_filled must be an int64 tensor of shape \\(1,\\)"),
     (dict(n_filled=torch.tensor([5], dtype=torch.int32)), "n_filled must be an int64"),
     (dict(q=torch.zeros(3, 6, 16, dtype=torch.float64)), "share one of"),
-    (dict(split_len=48), "split_len must be a power of two >= 16, got 48"),
-    (dict(block_n=8), "block_n must be a power of two >= 16, got 8"),
+    (dict(split_len=48), "split_len must be None or a power of two >= 16, got 48"),
+    (dict(block_n=8), "block_n must be None or a power of two >= 16, got 8"),
     (dict(split_len=16, block_n=32), "split_len=16 must be a multiple of block_n=32"),
-    (dict(num_warps=3), "num_warps must be one of"),
+    (dict(num_warps=3), "num_warps must be None or one of"),
+    (dict(num_stages=0), "num_stages must be None or an int in \\[1, 8\\], got 0"),
 ])
 def test_bad_arguments_are_named_before_any_compute(change, match):
     args = dict(q=torch.zeros(3, 6, 16), k=torch.zeros(3, 2, 37, 16), v=torch.zeros(3, 2, 37, 16),
@@ -186,17 +187,21 @@ import importlib, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 da = importlib.import_module("logitless.ops.triton.decode_attention")
-for dtype, dim, group in (("bf16", 128, 7), ("bf16", 64, 7), ("fp16", 128, 6), ("fp32", 64, 3)):
+# the programmatic-launch build (gdc_wait, launch_pdl) is what an H200 runs; the plain one other GPUs
+for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("fp16", 128, 6, False),
+                               ("fp32", 64, 3, False)):
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64"}
-    shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SPLITS=6, SPLIT_LEN=256)
-    for kernel, extra in ((da.decode_partial_kernel, dict(BLOCK_N=64, WIDE_DOT=dtype == "fp32")),
+    shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SPLITS=6, SPLIT_LEN=256, PDL=pdl)
+    block_n, warps, stages = da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES
+    for kernel, extra in ((da.decode_partial_kernel, dict(BLOCK_N=block_n, WIDE_DOT=dtype == "fp32")),
                           (da.decode_merge_kernel, {})):
         constexprs = {**shapes, **extra}
         signature = {name: "constexpr" if name in constexprs else
                      "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
                      "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl})
         assert compiled.asm["cubin"], (kernel.__name__, dtype, dim, group)
 print("compiled")
 """

@@ -117,6 +117,14 @@ def test_compiled_sampler_options_pass_through_from_yaml():
         build_sampler({"backend": "compiled", "draws": "philox"}, torch.device("cpu"))
 
 
+def test_programmatic_launch_reaches_the_sampler_from_yaml():
+    train, evaluation = build_sampler({"backend": "compiled", "programmatic_launch": False}, torch.device("cpu"))
+    assert train.programmatic_launch is evaluation.programmatic_launch is False
+    assert build_sampler({"backend": "compiled"}, torch.device("cpu"))[0].programmatic_launch is None
+    with pytest.raises(ValueError, match="programmatic_launch must be None, True or False, got 'yes'"):
+        build_sampler({"backend": "compiled", "programmatic_launch": "yes"}, torch.device("cpu"))
+
+
 def test_decode_attention_reaches_the_sampler_from_yaml():
     train, evaluation = build_sampler({"backend": "compiled", "decode_attention": "split_k"}, torch.device("cpu"))
     assert train.decode_attention == evaluation.decode_attention == "split_k"

@@ -283,6 +283,7 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
     (dict(grouped_attention=None), "grouped_attention"),
     (dict(decode_attention="flash"), "decode_attention must be one of \\('auto', 'sdpa', 'split_k'\\), got 'flash'"),
     (dict(decode_attention="split_k", grouped_attention=False), "split_k' needs grouped_attention=True"),
+    (dict(programmatic_launch="auto"), "programmatic_launch must be None, True or False, got 'auto'"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -299,6 +300,37 @@ def test_auto_decode_attention_is_split_k_on_cuda_only():
     assert not CompiledSampler(decode_attention="sdpa").uses_split_k(torch.device("cuda"))
     assert CompiledSampler(decode_attention="split_k").uses_split_k(torch.device("cpu"))
     assert torch.ops.logitless.decode_attention.default is not None  # registered by the CUDA choice
+
+
+def test_programmatic_launch_adds_pdl_to_the_cuda_graph_mode_where_supported(monkeypatch):
+    """On a Hopper GPU the default compiles the step with CUDA graphs (what mode="reduce-overhead"
+    sets) plus inductor's programmatic dependent launches; torch.compile takes a mode or options, so
+    the mode is given as its options then. Elsewhere, or when turned off, the mode stays as it was."""
+    import importlib
+
+    from torch._inductor import list_mode_options
+
+    da = importlib.import_module("logitless.ops.triton.decode_attention")  # the package exports a same-named function
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(da, "supports_programmatic_launch", lambda device: device.type == "cuda")
+    assert list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
+    assert CompiledSampler()._compile_options(cuda) == (None, {"triton.cudagraphs": True, "triton.enable_pdl": True})
+    assert CompiledSampler(mode="max-autotune")._compile_options(cuda) == (
+        None, {**list_mode_options("max-autotune"), "triton.enable_pdl": True})
+    assert CompiledSampler(programmatic_launch=False)._compile_options(cuda) == ("reduce-overhead", None)
+    assert CompiledSampler(backend="aot_eager")._compile_options(cuda) == (None, None)
+    assert not CompiledSampler().uses_programmatic_launch(torch.device("cpu"))
+    assert CompiledSampler(compile=False).uses_programmatic_launch(cuda)  # the split-K kernels alone
+    monkeypatch.setattr(da, "supports_programmatic_launch", lambda device: False)  # e.g. an A100
+    assert CompiledSampler()._compile_options(cuda) == ("reduce-overhead", None)
+
+
+def test_programmatic_launch_true_where_unsupported_stops_before_any_compute():
+    sampler = CompiledSampler(compile=False, programmatic_launch=True)
+    with pytest.raises(ValueError, match="programmatic_launch=True needs a CUDA GPU of compute capability 9.0"):
+        sampler(tiny(), PROMPTS, max_new_tokens=3, stop_tokens=[0], pad_id=0)
+    assert sampler._state is None  # nothing allocated
 
 
 def test_refuses_model_with_caches_and_too_small_cache():

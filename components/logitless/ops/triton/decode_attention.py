@@ -26,8 +26,11 @@ PyTorch) unless the Triton interpreter is requested (``TRITON_INTERPRET=1``, how
 kernels on CPU tensors).
 
 The launch parameters were chosen for an H200 at Qwen2.5 shapes (head_dim 64 and 128, caches up to
-a few thousand columns): the split length's floor (``MIN_SPLIT``) and ``BLOCK_N`` from a sweep at
-8-64 rows, the warps a guess.
+a few thousand columns): the split length's floor (``MIN_SPLIT``) from a sweep at 8-64 rows, the
+block, stages and programs per SM from a sweep at 16 and 64 rows, the warps a guess. On Hopper the
+kernels are programmatic dependent launches (:func:`supports_programmatic_launch`): the partial
+kernel is scheduled while the kernel before it (the query's rotary embedding) finishes, the merge
+while the partials finish.
 
 Example:
     >>> q = torch.randn(8, 14, 64, device="cuda", dtype=torch.bfloat16)          # (B, Hq, D)
@@ -48,20 +51,24 @@ from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
 
-__all__ = ["decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len"]
+__all__ = ["decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
+           "supports_programmatic_launch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Columns per inner-loop block of a split.
-BLOCK_N = 64
-#: Warps per program of the partial kernel.
-NUM_WARPS = 4
+#: The partial kernel's default launch: columns per inner-loop block, warps per program and
+#: software-pipeline stages. Best geometric mean over Qwen2.5-0.5B/1.5B/7B heads, 16 and 64 rows,
+#: 1088 and 3584 filled columns on an H200 among block 32/64/128 x 2/3 stages
+#: (``benchmarks/results/decode_attention_launch_h200.csv``): 0.86x the former 64 x 3 at head_dim 64,
+#: 0.94x at 128.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 #: Bounds of the automatic split length (columns). At 8-16 rows on an H200, splits shorter than 256
 #: were at most 3% faster and up to 2.1x slower (64 columns;
 #: ``benchmarks/results/decode_attention_split_len_h200.csv``): the merge walks a row's splits one
 #: after another in only ``B x Hkv`` programs.
 MIN_SPLIT, MAX_SPLIT = 256, 512
-#: Programs per SM the automatic split length aims at for a full cache.
-PROGRAMS_PER_SM = 4
+#: Programs per SM the automatic split length aims at for a full cache: one (longer splits at many
+#: rows) measured best in the same sweep as the launch (2 and 4: 1.02x and 1.04x its time).
+PROGRAMS_PER_SM = 1
 
 
 @triton.jit
@@ -74,14 +81,18 @@ def decode_partial_kernel(
     L, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(B, Hkv, NUM_SPLITS)``: the online-softmax partial of columns
     ``[split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V head.
 
     Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
     and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
-    interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9).
+    interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9). ``PDL``: launched as a
+    programmatic dependent launch, so it waits for the previous kernel before its first load.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -106,7 +117,9 @@ def decode_partial_kernel(
         inside = cols < end
         ok = inside & (tl.load(valid_base + cols.to(tl.int64) * stride_ml, mask=inside, other=0) != 0)
         tile = ok[:, None] & d_ok[None, :]  # masked keys are never read: they may hold anything
+        # both tiles are requested before the first product: twice the bytes in flight per program
         k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_kl + d[None, :] * stride_kd, mask=tile, other=0.0)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vl + d[None, :] * stride_vd, mask=tile, other=0.0)
         if WIDE_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -117,7 +130,6 @@ def decode_partial_kernel(
         alpha = tl.exp(m_i - ref)
         p = tl.exp(s - ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_vl + d[None, :] * stride_vd, mask=tile, other=0.0)
         p_in = p.to(v.dtype)  # rounded like the inputs, as flash attention's P @ V
         if WIDE_DOT:
             pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -125,6 +137,8 @@ def decode_partial_kernel(
             pv = tl.dot(p_in, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if PDL:  # the merge may launch now; it waits for this grid to finish before reading
+        tl.extra.cuda.gdc_launch_dependents()
     # (B, Hkv, NUM_SPLITS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
     # split writes nothing
     row = ((b * tl.num_programs(1) + h) * NUM_SPLITS + split) * G + g
@@ -138,10 +152,12 @@ def decode_partial_kernel(
 def decode_merge_kernel(
     m_ptr, l_ptr, acc_ptr, n_ptr, out_ptr, stride_ob, stride_oh, stride_od, L,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(B, Hkv)``: merges the non-empty split partials of the ``G`` query heads of one K/V
     head into their outputs (one split's ``(G, D)`` tile at a time)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
@@ -253,8 +269,20 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tenso
     return torch.einsum("bhgl,bhld->bhgd", p, v32).reshape(b, hq, d).to(q.dtype)
 
 
+def supports_programmatic_launch(device: torch.device) -> bool:
+    """Whether ``device`` can run kernels as programmatic dependent launches (a CUDA GPU of compute
+    capability 9.0 or later, outside the interpreter): a kernel may then be scheduled while the one
+    before it finishes, and waits for it (``gdc_wait``) before its first load.
+
+    Example:
+        >>> supports_programmatic_launch(torch.device("cpu"))
+        False
+    """
+    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
-            split_len: int, block_n: int, num_warps: int) -> Tensor:
+            split_len: int, block_n: int, num_warps: int, num_stages: int, pdl: bool) -> Tensor:
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -273,35 +301,43 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
         key_valid.stride(0), key_valid.stride(1),
         length, scale,
         G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
-        WIDE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()), num_warps=num_warps,
+        WIDE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     decode_merge_kernel[(b, hkv)](
         m, l, acc, n_filled, out, out.stride(0), out.stride(1), out.stride(2), length,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, num_warps=4,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
     return out
 
 
 @torch.library.custom_op("logitless::decode_attention", mutates_args=())
 def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
-                         split_len: int, block_n: int, num_warps: int) -> Tensor:
+                         split_len: int, block_n: int, num_warps: int, num_stages: int,
+                         programmatic: bool) -> Tensor:
     """``(B, Hq, D)`` attention output; see :func:`decode_attention` (a launch parameter of 0: its
-    default, ``split_len`` from :func:`default_split_len`)."""
+    default, ``split_len`` from :func:`launch_split_len`, the others :data:`BLOCK_N`, :data:`NUM_WARPS`
+    and :data:`NUM_STAGES`;
+    ``programmatic``: programmatic dependent launches where :func:`supports_programmatic_launch` allows)."""
     if not (q.is_cuda or _interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
-    block_n = block_n or BLOCK_N
     if split_len == 0:
+        block_n = block_n or BLOCK_N
         split_len = launch_split_len(q.shape[0], k.shape[1], k.shape[2], block_n, q.device)
-    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps or NUM_WARPS)
+    else:  # a given split shorter than the default block is one block
+        block_n = block_n or min(BLOCK_N, split_len)
+    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps or NUM_WARPS,
+                   num_stages or NUM_STAGES, programmatic and supports_programmatic_launch(q.device))
 
 
 @_decode_attention_op.register_fake
-def _(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps):
+def _(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps, num_stages, programmatic):
     return q.new_empty(q.shape)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, split_len: Optional[int],
-           block_n: int, num_warps: int) -> None:
+           block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> None:
     # metadata only: no value of a device tensor is read (no host sync)
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"decode_attention: expected q (B, Hq, D), k and v (B, Hkv, L, D), got q "
@@ -323,19 +359,21 @@ def _check(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
         raise ValueError(f"decode_attention: all inputs must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}, key_valid {key_valid.device}, n_filled {n_filled.device}")
     for name, value in (("block_n", block_n), ("split_len", split_len)):
-        if value is None and name == "split_len":
-            continue
-        if not isinstance(value, int) or value < 16 or value & (value - 1):
-            raise ValueError(f"decode_attention: {name} must be a power of two >= 16, got {value!r}")
-    if split_len is not None and split_len % block_n:
+        if value is not None and (not isinstance(value, int) or value < 16 or value & (value - 1)):
+            raise ValueError(f"decode_attention: {name} must be None or a power of two >= 16, got {value!r}")
+    if split_len is not None and block_n is not None and split_len % block_n:
         raise ValueError(f"decode_attention: split_len={split_len} must be a multiple of block_n={block_n}")
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"decode_attention: num_warps must be one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"decode_attention: num_warps must be None or one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool)
+                                   or not 1 <= num_stages <= 8):
+        raise ValueError(f"decode_attention: num_stages must be None or an int in [1, 8], got {num_stages!r}")
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, *,
-                     scale: Optional[float] = None, split_len: Optional[int] = None, block_n: int = BLOCK_N,
-                     num_warps: int = NUM_WARPS) -> Tensor:
+                     scale: Optional[float] = None, split_len: Optional[int] = None, block_n: Optional[int] = None,
+                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                     programmatic_launch: bool = True) -> Tensor:
     """Attention of one new query token per row with grouped-query heads, split along the cache.
 
     Args:
@@ -349,9 +387,14 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
             (the step's own key included), shared by all rows; later columns are never read.
         scale (Optional[float]): multiplies ``q . k``; None = ``1 / sqrt(D)``.
         split_len (Optional[int]): cache columns per program (a power of two, a multiple of
-            ``block_n``); None = :func:`default_split_len` for the shapes and the GPU.
-        block_n (int): columns per inner-loop block (a power of two >= 16).
-        num_warps (int): warps per program of the partial kernel.
+            ``block_n``); None = :func:`launch_split_len` for the shapes and the GPU.
+        block_n (Optional[int]): columns per inner-loop block (a power of two >= 16); None =
+            :data:`BLOCK_N` (at most ``split_len``).
+        num_warps (Optional[int]): warps per program of the partial kernel; None = :data:`NUM_WARPS`.
+        num_stages (Optional[int]): software-pipeline stages of the partial kernel's loop; None =
+            :data:`NUM_STAGES`.
+        programmatic_launch (bool): launch the kernels as programmatic dependent launches where the
+            GPU has them (:func:`supports_programmatic_launch`); same results either way.
 
     Returns:
         Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key among the
@@ -363,7 +406,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
     Example:
         >>> out = decode_attention(q, k_cache[:8], v_cache[:8], key_valid[:8], n_filled)
     """
-    _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps)
+    _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps, num_stages)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n,
-                                                num_warps)
+    return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n or 0,
+                                                num_warps or 0, num_stages or 0, bool(programmatic_launch))

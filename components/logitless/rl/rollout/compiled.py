@@ -115,7 +115,7 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                        col: Optional[torch.Tensor] = None, window=None,
                        qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                       split_k: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                       split_k: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -126,9 +126,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
     (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
-    n_filled)`` (``(B, L)`` bool, ``(1,)`` int64) one new token per row attends through the split-K
-    kernel (:func:`logitless.ops.triton.decode_attention`), which reads the first ``n_filled``
-    columns of the cache only, instead of SDPA under ``mask``.
+    n_filled, programmatic_launch)`` (``(B, L)`` bool, ``(1,)`` int64, bool) one new token per row
+    attends through the split-K kernel (:func:`logitless.ops.triton.decode_attention`), which reads
+    the first ``n_filled`` columns of the cache only, instead of SDPA under ``mask``.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -158,7 +158,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
             k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
     if split_k is not None:
         # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, *split_k, dim ** -0.5, 0, 0, 0)
+        key_valid, n_filled, programmatic = split_k
+        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0, 0,
+                                                   programmatic)
         return attn.output_proj(out.reshape(b, s, heads * dim))
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
@@ -173,7 +175,7 @@ def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 col: Optional[torch.Tensor] = None, window=None,
                 fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
-                split_k: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                split_k: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
     ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
     the split-K attention of :func:`_grouped_attention`)."""
@@ -220,7 +222,7 @@ def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: 
 def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
                  weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
                  columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None,
-                 split_k: bool = False):
+                 split_k: bool = False, programmatic_launch: bool = False):
     """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
     not an int, so the compiled step is the same graph at every column).
 
@@ -232,7 +234,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     one more CUDA graph. ``fused`` holds each layer's concatenated projections
     (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
     attend through the split-K kernel, whose reads follow the filled columns (``col + 1``, a device
-    tensor), so no window is needed and every step is the same graph.
+    tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
+    split-K kernels are programmatic dependent launches.
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -244,7 +247,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
         window = columns.shape[0]
         key_valid = key_valid.narrow(1, 0, window)
     mask = key_valid[:, None, :] & (columns <= col)
-    filled = (key_valid, col + 1) if split_k else None  # this step's key is written at column col
+    # this step's key is written at column col
+    filled = (key_valid, col + 1, programmatic_launch) if split_k else None
 
     def run_layer(index, layer, h):
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
@@ -333,6 +337,13 @@ class CompiledSampler:
             with ``grouped_attention``, else ``"sdpa"`` (on an H200 the kernel took 0.33-0.73x the
             windowed SDPA's time per layer, ``benchmarks/results/decode_attention_h200.csv``, and the
             1.5B decode step 0.84-0.91x, ``generation_roofline_h200.csv``).
+        programmatic_launch (Optional[bool]): launch the compiled step's kernels (inductor's, with
+            its ``triton.enable_pdl``, and the split-K attention's) as programmatic dependent
+            launches: each kernel may be scheduled while the one before it finishes and waits for it
+            before reading, which hides most of the gap between the step's few hundred small
+            kernels. None (default) = where supported (a CUDA GPU of compute capability 9.0 or later,
+            the inductor backend, a torch whose inductor has the option); True where it is not is an
+            error. Same results either way.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -350,13 +361,15 @@ class CompiledSampler:
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
                  graph_sampling: bool = True, fused_projections: bool = False,
                  prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 decode_attention: str = "auto") -> None:
+                 decode_attention: str = "auto", programmatic_launch: Optional[bool] = None) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
             raise ValueError(f"backend must be a torch.compile backend (name or callable), got {backend!r}")
         if draws not in ("counter", "generator"):
             raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
+        if programmatic_launch is not None and not isinstance(programmatic_launch, bool):
+            raise ValueError(f"programmatic_launch must be None, True or False, got {programmatic_launch!r}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if decode_attention == "split_k" and grouped_attention is False:
@@ -383,6 +396,7 @@ class CompiledSampler:
         self.graph_sampling = graph_sampling
         self.fused_projections = fused_projections
         self.decode_attention = decode_attention
+        self.programmatic_launch = programmatic_launch
         self.compaction = compaction
         self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -403,18 +417,50 @@ class CompiledSampler:
             return True
         return self.decode_attention == "split_k"
 
+    def uses_programmatic_launch(self, device: torch.device) -> bool:
+        """Whether the decode step's kernels on ``device`` are programmatic dependent launches
+        (``programmatic_launch``; None: where supported).
+
+        Raises:
+            ValueError: ``programmatic_launch=True`` where it is not supported, naming why.
+        """
+        from logitless.ops.triton.decode_attention import supports_programmatic_launch
+
+        if self.programmatic_launch is False:
+            return False
+        compiled = self._use_compile(device)
+        inductor = self.backend == "inductor" and hasattr(torch._inductor.config.triton, "enable_pdl")
+        supported = supports_programmatic_launch(device) and (inductor or not compiled)
+        if self.programmatic_launch and not supported:
+            raise ValueError(f"programmatic_launch=True needs a CUDA GPU of compute capability 9.0 or later and, "
+                             f"when the step is compiled, the inductor backend of a torch with "
+                             f"torch._inductor.config.triton.enable_pdl; got {device}, compile={compiled}, "
+                             f"backend={self.backend!r}")
+        return supported
+
+    def _compile_options(self, device: torch.device) -> Tuple[Optional[str], Optional[Dict[str, object]]]:
+        """``(mode, options)`` for ``torch.compile``: ``mode`` (None: "reduce-overhead", i.e. CUDA
+        graphs, on CUDA with inductor), given as inductor options when programmatic launches are added."""
+        mode = self.mode
+        if mode is None and device.type == "cuda" and self.backend == "inductor":
+            mode = "reduce-overhead"
+        if not self.uses_programmatic_launch(device):
+            return mode, None
+        from torch._inductor import list_mode_options
+
+        # torch.compile takes a mode or options, not both: the mode's own options, plus PDL
+        return None, {**list_mode_options(mode or "default"), "triton.enable_pdl": True}
+
     def _step_fn(self, device: torch.device):
         if not self._use_compile(device):
             return _decode_step
         if self._compiled is None:
-            mode = self.mode
-            if mode is None and device.type == "cuda" and self.backend == "inductor":
-                mode = "reduce-overhead"
+            mode, options = self._compile_options(device)
             # not fullgraph: a graph break on another torch version costs speed, not the run
             # (tests/rl/rollout/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
-            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode,
+            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, options=options,
                                            dynamic=None if self.compaction or self.attention_window else False)
         return self._compiled
 
@@ -595,6 +641,7 @@ class CompiledSampler:
         attns = _attention_modules(model)
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
+        self.uses_programmatic_launch(device)  # programmatic_launch=True where unsupported: an error before any compute
         tokens, prompt_mask = left_pad(prompts, pad_id, device)
         groups = num_generations
         rows, width = tokens.shape[0] * groups, tokens.shape[1]
@@ -655,6 +702,7 @@ class CompiledSampler:
         shared = state["shared"]
         length = state["key"][1]
         split_k = self.uses_split_k(device)
+        programmatic = self.uses_programmatic_launch(device)
         windowed = self.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
         bucket = self._bucket(state, rows, views=grouped)
         # every row starts live, in its own slot; token 0 is written at t = 0
@@ -697,7 +745,7 @@ class CompiledSampler:
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
             in_graph = counter and self.graph_sampling
             logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
-                          fused, split_k)
+                          fused, split_k, programmatic)
             if counter and not in_graph:
                 _record(bucket, shared, logits, draw)
                 logits = None
