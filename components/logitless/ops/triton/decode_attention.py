@@ -59,7 +59,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: software-pipeline stages. Best geometric mean over Qwen2.5-0.5B/1.5B/7B heads, 16 and 64 rows,
 #: 1088 and 3584 filled columns on an H200 among block 32/64/128 x 2/3 stages
 #: (``benchmarks/results/decode_attention_launch_h200.csv``): 0.86x the former 64 x 3 at head_dim 64,
-#: 0.94x at 128.
+#: 0.95x at 128.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 #: Bounds of the automatic split length (columns). At 8-16 rows on an H200, splits shorter than 256
 #: were at most 3% faster and up to 2.1x slower (64 columns;
