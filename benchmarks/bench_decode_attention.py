@@ -13,9 +13,7 @@ few columns of left padding. Methods:
 * ``split_k``: :func:`logitless.ops.triton.decode_attention` (``decode_attention="split_k"``), with the
   automatic split length, and with each of ``--split-lens`` when given (times each of ``--block-ns``,
   ``--warps``, ``--stages`` and ``--programmatic``: a sweep of the launch parameters; the kernel's
-  defaults, ``BLOCK_N``, ``NUM_WARPS`` and ``NUM_STAGES`` of ``logitless.ops.triton.decode_attention``,
-  where none is given). The
-  CSV records the parameters each run resolved to.
+  defaults where none is given). The CSV records the parameters each run resolved to.
 
 On CUDA each method is timed as a CUDA graph of ``--reps`` calls, replayed (the sampler replays its
 captured step, so launch gaps do not count). ``bytes`` is what the step must read: the filled keys
@@ -132,25 +130,22 @@ def time_call(fn, device, reps, iters):
 
 
 def resolved_launch(launch, rows, kv_heads, cache_len, device):
-    """The launch parameters split-K runs with: those given, the kernel's defaults for the rest.
+    """The launch parameters split-K runs with: those given, the kernel's defaults for the rest
+    (:func:`logitless.ops.triton.decode_attention.resolve_launch`).
 
     Returns:
         dict: ``split_len`` (``"auto"`` or the one given), ``resolved_split_len``, ``block_n``,
         ``num_warps``, ``num_stages`` and ``programmatic`` (0/1, as asked; the kernel uses it where the
         GPU supports it).
     """
-    from logitless.ops.triton.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, launch_split_len
+    from logitless.ops.triton.decode_attention import resolve_launch
 
-    block_n, warps, stages = BLOCK_N, NUM_WARPS, NUM_STAGES
     split = launch["split_len"]
-    if launch["block_n"] is not None:
-        block_n = launch["block_n"]
-    elif split is not None:
-        block_n = min(block_n, split)
-    return dict(split_len="auto" if split is None else split,
-                resolved_split_len=split or launch_split_len(rows, kv_heads, cache_len, block_n, device),
-                block_n=block_n, num_warps=launch["num_warps"] or warps, num_stages=launch["num_stages"] or stages,
-                programmatic=int(launch["programmatic_launch"]))
+    resolved, block_n, warps, stages = resolve_launch(rows, kv_heads, cache_len, device, split or 0,
+                                                      launch["block_n"] or 0, launch["num_warps"] or 0,
+                                                      launch["num_stages"] or 0)
+    return dict(split_len="auto" if split is None else split, resolved_split_len=resolved, block_n=block_n,
+                num_warps=warps, num_stages=stages, programmatic=int(launch["programmatic_launch"]))
 
 
 def bench(args):

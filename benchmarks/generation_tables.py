@@ -71,18 +71,18 @@ def programmatic_launch_table(rows: List[Dict[str, str]]) -> str:
         rows (List[Dict[str, str]]): rows with ``setting`` and ``date`` besides bench_generation's columns.
 
     Returns:
-        str: a markdown table, runs in file order (settings of one run share a date's hour).
+        str: a markdown table, runs in file order (a run's uniform and mix rows share its date).
     """
-    mix = {(r["date"][:13], r["model"], r["setting"]): r for r in rows if r["mix"] == "mix"}
+    mix = {(r["date"], r["model"], r["setting"]): r for r in rows if r["mix"] == "mix"}
     out = ["| run (UTC) | model | setting | step (ms) | of roofline | mix call (s) | mix tok/s |",
            "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if r["mix"] != "uniform":
             continue
-        m = mix.get((r["date"][:13], r["model"], r["setting"]))
+        m = mix.get((r["date"], r["model"], r["setting"]))
+        mixed = f"{float(m['seconds']):.3f} | {float(m['tokens_per_s']):,.0f}" if m else "- | -"
         out.append(f"| {r['date'][:16].replace('T', ' ')} | {MODEL_NAMES[r['model']]} | {r['setting']} | "
-                   f"{float(r['step_ms']):.3f} | {100 * float(r['roofline_frac']):.1f}% | "
-                   f"{float(m['seconds']):.3f} | {float(m['tokens_per_s']):,.0f} |" if m else "- | - |")
+                   f"{float(r['step_ms']):.3f} | {100 * float(r['roofline_frac']):.1f}% | {mixed} |")
     return "\n".join(out)
 
 

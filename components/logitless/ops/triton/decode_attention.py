@@ -42,7 +42,7 @@ Example:
 """
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -52,7 +52,7 @@ from torch import Tensor
 from logitless.ops.dispatch import _interpreting
 
 __all__ = ["decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
-           "supports_programmatic_launch"]
+           "resolve_launch", "supports_programmatic_launch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The partial kernel's default launch: columns per inner-loop block, warps per program and
@@ -269,6 +269,33 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tenso
     return torch.einsum("bhgl,bhld->bhgd", p, v32).reshape(b, hq, d).to(q.dtype)
 
 
+def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, split_len: int = 0,
+                   block_n: int = 0, num_warps: int = 0, num_stages: int = 0) -> Tuple[int, int, int, int]:
+    """The launch the kernels run with: the parameters given (non-zero), the defaults for the rest.
+
+    The block defaults to :data:`BLOCK_N`, at most a given split; the split to
+    :func:`launch_split_len`; the warps and stages to :data:`NUM_WARPS` and :data:`NUM_STAGES`.
+
+    Args:
+        rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
+        device (torch.device): where the kernels run (its SM count).
+        split_len, block_n, num_warps, num_stages (int): as given; 0 = the default.
+
+    Returns:
+        Tuple[int, int, int, int]: ``(split_len, block_n, num_warps, num_stages)``.
+
+    Example:
+        >>> resolve_launch(8, 2, 1536, torch.device("cpu"), split_len=64)
+        (64, 64, 4, 2)
+    """
+    if split_len:
+        block_n = block_n or min(BLOCK_N, split_len)
+    else:
+        block_n = block_n or BLOCK_N
+        split_len = launch_split_len(rows, kv_heads, length, block_n, device)
+    return split_len, block_n, num_warps or NUM_WARPS, num_stages or NUM_STAGES
+
+
 def supports_programmatic_launch(device: torch.device) -> bool:
     """Whether ``device`` can run kernels as programmatic dependent launches (a CUDA GPU of compute
     capability 9.0 or later, outside the interpreter): a kernel may then be scheduled while the one
@@ -317,18 +344,12 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_f
                          split_len: int, block_n: int, num_warps: int, num_stages: int,
                          programmatic: bool) -> Tensor:
     """``(B, Hq, D)`` attention output; see :func:`decode_attention` (a launch parameter of 0: its
-    default, ``split_len`` from :func:`launch_split_len`, the others :data:`BLOCK_N`, :data:`NUM_WARPS`
-    and :data:`NUM_STAGES`;
-    ``programmatic``: programmatic dependent launches where :func:`supports_programmatic_launch` allows)."""
+    default, :func:`resolve_launch`; ``programmatic``: programmatic dependent launches where
+    :func:`supports_programmatic_launch` allows)."""
     if not (q.is_cuda or _interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
-    if split_len == 0:
-        block_n = block_n or BLOCK_N
-        split_len = launch_split_len(q.shape[0], k.shape[1], k.shape[2], block_n, q.device)
-    else:  # a given split shorter than the default block is one block
-        block_n = block_n or min(BLOCK_N, split_len)
-    return _launch(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps or NUM_WARPS,
-                   num_stages or NUM_STAGES, programmatic and supports_programmatic_launch(q.device))
+    launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
+    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device))
 
 
 @_decode_attention_op.register_fake
