@@ -3,7 +3,8 @@
 Random-weight Qwen2.5 models (no download), one prompt of ``--prompt-len`` random tokens, ``--G``
 completions of exactly ``--completion-len`` tokens (no stop token can end them early), rewards drawn
 at random (the compute does not depend on them), then the update: policy forward + backward over the
-G completions in micro-batches with activation checkpointing, AdamW step, bf16 weights. For each
+G completions in micro-batches with activation checkpointing (``--no-activation-checkpointing``:
+without), AdamW step, bf16 weights. For each
 model and each log-prob path it reports the time of the generation, of the update and of the whole
 step, and the peak CUDA memory of the step (weights and optimizer state included):
 
@@ -11,8 +12,9 @@ step, and the peak CUDA memory of the step (weights and optimizer state included
 - ``triton``:  ``impl="triton"`` (the fused kernels)
 - ``full_logits``: ``impl="reference"``, the plain path that materialises the ``[N, V]`` logits, as
   TRL and most RL libraries do
-- ``chunked+prompt_once`` / ``triton+prompt_once`` (``+prompt_once_flex``: FlexAttention block mask,
-  CUDA only): the same heads with each group packed as
+- ``chunked+prompt_once`` / ``triton+prompt_once`` (dense-mask SDPA; ``+prompt_once_flex``:
+  FlexAttention block mask, CUDA only; ``+prompt_once_cascade``: cascade attention, the recipes'
+  ``prompt_sharing_attention: auto``): the same heads with each group packed as
   ``[prompt | completion 1 | ... | completion G]`` (``logitless.rl.shared_batch``, the recipe's
   ``prompt_sharing: true``): the prompt is run once per group; one micro-batch of the whole group
   (G completions, one packed sequence of prompt + G x completion tokens)
@@ -82,7 +84,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from kernel_breakdown import CATEGORIES, breakdown, profile_kernels  # noqa: E402
 
 IMPLS = {"chunked": "chunked", "triton": "triton", "full_logits": "reference", "no_head": "no_head"}
-SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex")}
+SHARING = {"": (False, "sdpa"), "+prompt_once": (True, "sdpa"), "+prompt_once_flex": (True, "flex"),
+           "+prompt_once_cascade": (True, "cascade")}
 
 
 def parse_impl(name: str):
@@ -218,7 +221,8 @@ def free(device):
 def measure(model, optimizer, reference, impl_name, cfg, device):
     """One row: warm-up step, then ``cfg.steps`` measured steps (minimum time, maximum peak)."""
     impl, shared, attention = parse_impl(impl_name)
-    row = dict(model=cfg.model, impl=impl_name, compile=cfg.compile, generator="none" if cfg.update_only else cfg.generator,
+    row = dict(model=cfg.model, impl=impl_name, compile=cfg.compile,
+               activation_checkpointing=cfg.activation_checkpointing, generator="none" if cfg.update_only else cfg.generator,
                G=cfg.G, prompt_len=cfg.prompt_len, completion_len=cfg.completion_len,
                micro_batch_size=micro_batch_size(cfg.micro_batch_size, cfg.G, shared),
                prompt_sharing=shared, beta=cfg.beta, num_iterations=cfg.num_iterations,
@@ -284,7 +288,8 @@ def build_policy(name, args, device, dtype):
     from torchtune.modules import TransformerSelfAttentionLayer
 
     model = build_model(name, device, dtype)
-    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    if args.activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     if args.compile:  # after activation checkpointing, as the recipes' wrap_model does
         compile_layers(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
@@ -378,7 +383,7 @@ def int_list(text: str):
 
 
 #: The columns of a profile row that name its configuration (the rest is :func:`profile_update`'s).
-PROFILE_KEYS = ("model", "impl", "compile", "G", "prompt_len", "completion_len", "micro_batch_size",
+PROFILE_KEYS = ("model", "impl", "compile", "activation_checkpointing", "G", "prompt_len", "completion_len", "micro_batch_size",
                 "update_s", "update_mfu", "device", "torch", "triton", "torchtune", "date")
 
 
@@ -421,6 +426,8 @@ def main(argv=None):
     p.add_argument("--max-G", type=int, default=512)
     p.add_argument("--max-completion-len", type=int, default=16384)
     p.add_argument("--compile", action="store_true", help="compile the policy's layers (the recipes' compile: True)")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each layer in the backward (the recipes' enable_activation_checkpointing)")
     p.add_argument("--profile-update", action="store_true",
                    help="profile one more update per row (CUDA): time per kernel category, to --profile-out")
     p.add_argument("--profile-out", default=None,
@@ -443,7 +450,7 @@ def main(argv=None):
         p.error(f"--profile-update profiles CUDA kernels; --device is {args.device!r}")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fields = ["model", "impl", "compile", "generator", "status", "generation_s", "update_s", "update_tflop", "update_mfu",
+    fields = ["model", "impl", "compile", "activation_checkpointing", "generator", "status", "generation_s", "update_s", "update_tflop", "update_mfu",
               "step_s", "head_update_s",
               "static_gib", "update_peak_gib", "peak_gib", "head_update_gib", "max_G", "max_completion_len",
               "G", "prompt_len", "completion_len", "micro_batch_size", "prompt_sharing", "beta",

@@ -21,4 +21,4 @@ fi
     --compiled-options "$opts" --out "$out/generation_roofline.csv" 2>&1 | quiet | tail -n 8
 TORCH_LOGS=perf_hints timeout 70 python3 $B --models 1.5b --rows 64 --new-tokens 128 --samplers compiled \
     --compiled-options "$opts" --profile 2>&1 | quiet | cut -c1-100,150-250 | tail -n 28
-timeout 70 python3 -m pytest -q -x tests/gpu/test_rollout_gpu.py 2>&1 | quiet | tail -n 8
+timeout 240 python3 -m pytest -q -x tests/gpu/test_rollout_gpu.py 2>&1 | quiet | tail -n 8

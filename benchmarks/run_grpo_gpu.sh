@@ -13,9 +13,14 @@
 #            split_k with the layers compiled for the update (compile=true): issue 14's step targets
 #   update_profile : bench_grpo.py --update-only --profile-update at 1.5B and 7B (G=8, 1024 + 512,
 #            prompt once), eager then compiled layers: where the update's time goes (issue 14, item 6)
+#   cascade : bench_grpo.py --update-only at 1.5B and 7B (G=8, 1024 + 512, one group, compiled layers):
+#            cascade attention against the dense mask, with and without activation checkpointing, profiled
+#   qwen_grpo : configs/qwen_grpo.yaml as shipped, 4 steps, then with activation checkpointing and
+#            micro-batches of 8 (its small-GPU setting): issue 14's step targets
 #   longgroup : the qwen_grpo recipe with 2 groups of G=16, 1024-token prompts and 1024-token
 #            completions (17408 packed tokens a group, past the dense-mask limit): prompt_sharing
-#            auto (picks flex by itself) against expanded (prompt_sharing=false), 3 steps each
+#            auto (cascade attention now; flex when its results were taken) against expanded
+#            (prompt_sharing=false), 3 steps each
 # Usage: bash benchmarks/run_grpo_gpu.sh OUT_DIR SECTION...
 set -uo pipefail
 out=${1:?usage: run_grpo_gpu.sh OUT_DIR SECTION...}
@@ -85,6 +90,18 @@ update_profile)
         bench 270 --update-only --models 1.5b,7b --G 8 --prompt-len 1024 --completion-len 512 --micro-batch-size G \
             --steps 1 --impls triton+prompt_once --profile-update $flag \
             --out "$out/grpo_update_${name:-eager}.csv"
+    done ;;
+cascade)
+    for ac in activation-checkpointing no-activation-checkpointing; do
+        bench 130 --update-only --models 1.5b,7b --G 8 --prompt-len 1024 --completion-len 512 --micro-batch-size G \
+            --steps 2 --impls triton+prompt_once_cascade,triton+prompt_once --profile-update --compile --$ac \
+            --out "$out/grpo_update_cascade_$ac.csv"
+    done ;;
+qwen_grpo)
+    recipe qwen_grpo 150 max_steps=4
+    recipe qwen_grpo_ac 150 max_steps=4 enable_activation_checkpointing=true micro_batch_size=8
+    for tag in qwen_grpo qwen_grpo_ac; do
+        echo "$tag"; metrics "$tag" "step_time_s|time/|update_mfu|peak_memory_alloc"
     done ;;
 generation)
     timeout 260 python3 benchmarks/bench_generation_libraries.py --models qwen2.5-0.5b,qwen2.5-1.5b --prompt-lens 1024 \

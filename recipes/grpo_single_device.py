@@ -167,11 +167,11 @@ class GRPORecipe:
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
         own_advantages = advantages[share.start * group_size:share.stop * group_size]
         self.last_rollout = (prompts, texts, rewards, own_advantages)
-        attention = step_packing_attention(rollout, self.model, enabled=self.prompt_sharing, device=self.device,
+        attention = step_packing_attention(rollout, self.model, enabled=self.prompt_sharing,
                                            attention=cfg.prompt_sharing_attention,
                                            must_pack=cfg.prompt_sharing is True, all_reduce=self.runtime.all_reduce)
         batch = training_batch(rollout, prompt_sharing=attention is not None, pad_id=self.sampler.pad_id,
-                               ignore_index=self.loss_fn.ignore_index, attention=attention or "sdpa")
+                               ignore_index=self.loss_fn.ignore_index, attention=attention or "cascade")
         upd = grpo_update(self.model, self.loss_fn, self.optimizer, batch, own_advantages.to(self.device),
                           micro_batch_size=cfg.micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,

@@ -73,7 +73,7 @@ def test_profile_update_needs_cuda(bench, tmp_path, capsys):
 
 def _one_update(bench, compile_layers: bool):
     torch.manual_seed(0)
-    args = argparse.Namespace(beta=0.0, compile=compile_layers)
+    args = argparse.Namespace(beta=0.0, compile=compile_layers, activation_checkpointing=True)
     model, optimizer, reference = bench.build_policy("tiny", args, torch.device("cpu"), torch.float32)
     loss_fn = bench.make_loss("chunked", 0.0)
     loss_fn.set_model_output(model)
@@ -94,6 +94,25 @@ def test_compiled_layers_take_the_same_update(bench, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
     assert out_compiled["update_flops"] == out_eager["update_flops"]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_activation_checkpointing_flag(bench, tmp_path, checkpointing):
+    """--no-activation-checkpointing builds the policy without checkpoint wrappers and says so in its
+    rows; the cascade prompt-once path runs from the CLI."""
+    import csv
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    args = argparse.Namespace(beta=0.0, compile=False, activation_checkpointing=checkpointing)
+    model, _, _ = bench.build_policy("tiny", args, torch.device("cpu"), torch.float32)
+    assert any(isinstance(m, CheckpointWrapper) for m in model.modules()) is checkpointing
+    out = tmp_path / "g.csv"
+    bench.main(["--models", "tiny", "--device", "cpu", "--update-only", "--G", "4", "--prompt-len", "8",
+                "--completion-len", "6", "--micro-batch-size", "G", "--impls", "chunked+prompt_once_cascade",
+                "--steps", "1", "--out", str(out)] + ([] if checkpointing else ["--no-activation-checkpointing"]))
+    (row,) = list(csv.DictReader(open(out)))
+    assert (row["status"], row["prompt_sharing"], row["activation_checkpointing"]) == ("ok", "True", str(checkpointing))
 
 
 def test_rows_carry_the_versions_and_date_of_their_run(bench, tmp_path):

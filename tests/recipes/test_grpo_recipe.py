@@ -156,18 +156,22 @@ def test_prompt_sharing_matches_expanded_recipe_step(tmp_path):
     assert GRPORecipe(tiny_cfg(tmp_path, "micro_batch_size=2")).prompt_sharing is False  # auto: not whole groups
 
 
-def test_prompt_sharing_auto_runs_long_groups_expanded(tmp_path, monkeypatch):
-    """auto decides per step: groups longer than the dense-mask limit run expanded, with the same
-    result as prompt_sharing=false; prompt_sharing=true still packs them."""
+def test_prompt_sharing_decides_per_step(tmp_path, monkeypatch):
+    """auto packs with cascade attention: the update of prompt_sharing=false, up to summation order.
+    The dense-mask path runs groups past its length limit expanded, with the same result as
+    prompt_sharing=false; prompt_sharing=true still packs them."""
     import sys
 
     monkeypatch.setattr(sys.modules["logitless.rl.shared_batch"], "AUTO_MAX_PACKED_SDPA", 1)
     args = ("max_steps=1", "save_final_checkpoint=False")
     auto = GRPORecipe(tiny_cfg(tmp_path / "auto", "prompt_sharing=auto", *args)).run()
+    dense = GRPORecipe(tiny_cfg(tmp_path / "dense", "prompt_sharing_attention=sdpa", *args)).run()
     off = GRPORecipe(tiny_cfg(tmp_path / "off", "prompt_sharing=false", *args)).run()
-    on = GRPORecipe(tiny_cfg(tmp_path / "on", "prompt_sharing=true", *args)).run()
-    assert (auto[0]["prompt_sharing"], off[0]["prompt_sharing"], on[0]["prompt_sharing"]) == (0.0, 0.0, 1.0)
-    assert auto[0]["loss"] == off[0]["loss"] and auto[0]["grad_norm"] == off[0]["grad_norm"]
+    on = GRPORecipe(tiny_cfg(tmp_path / "on", "prompt_sharing=true", "prompt_sharing_attention=sdpa", *args)).run()
+    assert [m[0]["prompt_sharing"] for m in (auto, dense, off, on)] == [1.0, 0.0, 0.0, 1.0]
+    assert dense[0]["loss"] == off[0]["loss"] and dense[0]["grad_norm"] == off[0]["grad_norm"]
+    assert auto[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-5, abs=1e-7)
+    assert auto[0]["grad_norm"] == pytest.approx(off[0]["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -111,29 +111,32 @@ def test_response_only_head_equals_full_head(setup):
     _assert_same_update(_update(base, batch, kwargs, micro_batch_size=6), want)
 
 
-def test_shared_micro_batches_of_several_groups(setup):
-    """Two groups per micro-batch (prompts of different lengths packed together) == one per micro-batch."""
+@pytest.mark.parametrize("attention", ["cascade", "sdpa"])
+def test_shared_micro_batches_of_several_groups(setup, attention):
+    """Three groups per micro-batch (prompts of different lengths packed together: cascade attention's
+    masked path) == one per micro-batch (equal lengths: its mask-free causal path)."""
     base, rollout = setup
     kwargs = dict(loss_type="dapo", beta=0.1)
-    batch = shared_batch(rollout)
+    batch = shared_batch(rollout, attention=attention)
     _assert_same_update(_update(base, batch, kwargs, micro_batch_size=3 * G),
                         _update(base, batch, kwargs, micro_batch_size=G))
 
 
-def test_old_log_probs_match_the_sampler_and_the_expanded_batch(setup):
+@pytest.mark.parametrize("attention", ["cascade", "sdpa"])
+def test_old_log_probs_match_the_sampler_and_the_expanded_batch(setup, attention):
     """Independent check of the layout: the training path's log-probs are the sampler's own."""
     base, rollout = setup
     model = copy.deepcopy(base)
     loss_fn = GRPOLoss(temperature=0.9, impl="chunked")
     loss_fn.set_model_output(model)
-    shared = batch_log_probs(model, loss_fn, shared_batch(rollout), micro_batch_size=3 * G)
+    shared = batch_log_probs(model, loss_fn, shared_batch(rollout, attention=attention), micro_batch_size=3 * G)
     expanded = batch_log_probs(model, loss_fn, policy_batch(rollout), micro_batch_size=3)
     assert shared.shape == rollout.completion_tokens.shape
     torch.testing.assert_close(shared, expanded, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared, rollout.sampler_log_probs, rtol=1e-4, atol=1e-4)
     assert (shared[~rollout.completion_mask] == 0).all()
     ref = ReferencePolicy.frozen_copy(base)
-    ref_lp = torch.cat([ref.log_probs(loss_fn, mb) for mb in shared_batch(rollout).micro_batches(G)])
+    ref_lp = torch.cat([ref.log_probs(loss_fn, mb) for mb in shared_batch(rollout, attention=attention).micro_batches(G)])
     torch.testing.assert_close(ref_lp, shared, rtol=1e-5, atol=1e-5)
 
 
@@ -191,18 +194,18 @@ def test_packed_length_and_auto_decision(setup):
     _, rollout = setup
     length = packed_length(rollout)
     assert length == shared_batch(rollout).pack().tokens.shape[1] == max(map(len, PROMPTS)) + G * 5
-    choose = lambda n, att, limit=None, flex=True, must=False: packing_attention(  # noqa: E731
-        n, attention=att, max_seq_len=limit, flex_ok=flex, must_pack=must)
+    choose = lambda n, att, limit=None, must=False: packing_attention(  # noqa: E731
+        n, attention=att, max_seq_len=limit, must_pack=must)
     long = AUTO_MAX_PACKED_SDPA + 1
-    # auto: short groups with the dense mask, long ones with flex where it runs, else expanded
-    assert choose(length, "auto") == "sdpa" and choose(long, "auto") == "flex"
-    assert choose(long, "auto", flex=False) is None
+    # auto: cascade attention at any length (its cost is what the mask keeps)
+    assert choose(length, "auto") == choose(long, "auto") == "cascade"
     # never past the model's positions, unless prompt_sharing: true insists (the forward raises)
     assert choose(length, "auto", limit=length - 1) is None and choose(long, "flex", limit=long - 1) is None
     assert choose(length, "sdpa", limit=length - 1, must=True) == "sdpa"
-    # explicit settings: sdpa only while it pays, flex at any length
+    # explicit settings: the dense mask only while it pays, cascade and flex at any length
     assert choose(long, "sdpa") is None and choose(long, "sdpa", must=True) == "sdpa"
-    assert choose(long, "flex") == "flex" and choose(length, "flex") == "flex"
+    assert choose(length, "sdpa") == "sdpa"
+    assert choose(long, "flex") == "flex" and choose(long, "cascade") == "cascade"
     with pytest.raises(ValueError, match="config key 'prompt_sharing_attention'.*'dense'"):
         choose(length, "dense")
     assert not flex_available(torch.device("cpu"))
@@ -217,7 +220,7 @@ def test_flex_block_mask_equals_the_dense_mask(setup):
     from logitless.rl.shared_batch import flex_block_mask
 
     _, rollout = setup
-    packed = shared_batch(rollout).pack()
+    packed = shared_batch(rollout, attention="sdpa").pack()
     b, s = packed.tokens.shape
     q, k, v = (torch.randn(b, 2, s, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with warnings.catch_warnings():
@@ -240,7 +243,7 @@ def test_padded_packing_gives_the_same_rows(setup):
     base, rollout = setup
     model = copy.deepcopy(base)
     GRPOLoss().set_model_output(model)
-    groups = shared_batch(rollout)
+    groups = shared_batch(rollout, attention="sdpa")
     tight, padded = groups.pack(), groups.pack(seq_len=groups.packed_length() + 37)
     assert padded.tokens.shape[1] == tight.tokens.shape[1] + 37
     with torch.no_grad():

@@ -1,5 +1,11 @@
-"""What touches the model: the output-head wrapper, the label shift and prompt sharing."""
+"""What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention."""
 
+from logitless.modules.cascade_attention import (
+    CascadeLayout,
+    cascade_attention,
+    cascade_layout,
+    enable_cascade_attention,
+)
 from logitless.modules.head import HeadInput, OUTPUT_MODES, head_weight, wrap_output_head
 from logitless.modules.labels import shift_labels
 from logitless.modules.prompt_sharing import (
@@ -11,10 +17,14 @@ from logitless.modules.prompt_sharing import (
 from logitless.modules.unwrap import unwrap_compiled
 
 __all__ = [
+    "CascadeLayout",
     "HeadInput",
     "OUTPUT_MODES",
     "SharedPromptBatch",
+    "cascade_attention",
+    "cascade_layout",
     "completion_rows",
+    "enable_cascade_attention",
     "gather_predicting_rows",
     "head_weight",
     "pack_groups",

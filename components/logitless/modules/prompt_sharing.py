@@ -19,9 +19,11 @@ class SharedPromptBatch(NamedTuple):
     """A batch of groups packed with one copy of each prompt.
 
     Attributes:
-        tokens (torch.Tensor): ``[B, S]`` packed token ids (``pad_id`` after the last completion).
+        tokens (torch.Tensor): ``[B, S]`` packed token ids: each prompt right-aligned in the first
+            ``max(Lp)`` columns (``pad_id`` before a shorter one), then the G completions, ``Lc`` columns
+            each, from the same column in every row (``pad_id`` after the last one).
         input_pos (torch.Tensor): ``[B, S]`` positions: ``0..Lp-1`` on the prompt, ``Lp..`` again on
-            every completion.
+            every completion (0 on padding).
         mask (Optional[torch.Tensor]): ``[B, S, S]`` bool, True where row i may attend to column j
             (None when built with ``dense_mask=False``).
         predict_rows (torch.Tensor): ``[B, G, Lc]`` row of ``tokens`` whose output predicts each
@@ -114,18 +116,19 @@ def pack_groups(
     segment = torch.full((b, seq_len), g, dtype=torch.long, device=device)
     predict_rows = torch.zeros((b, g, lc), dtype=torch.long, device=device)
     ar = torch.arange(lc, device=device)
+    width = need - g * lc  # the longest prompt: prompts end there, so completions share their columns
     for i, prompt in enumerate(prompts):
         lp = prompt.numel()
-        tokens[i, :lp] = prompt.to(device)
-        input_pos[i, :lp] = torch.arange(lp, device=device)
-        segment[i, :lp] = -1
+        tokens[i, width - lp : width] = prompt.to(device)
+        input_pos[i, width - lp : width] = torch.arange(lp, device=device)
+        segment[i, width - lp : width] = -1
         for j in range(g):
-            start = lp + j * lc
+            start = width + j * lc
             tokens[i, start : start + lc] = completions[i, j]
             input_pos[i, start : start + lc] = lp + ar
             segment[i, start : start + lc] = j
             # token k of completion j is predicted by the row before it; k = 0 by the prompt's last row
-            predict_rows[i, j] = torch.where(ar == 0, lp - 1, start + ar - 1)
+            predict_rows[i, j] = torch.where(ar == 0, width - 1, start + ar - 1)
     mask = None
     if dense_mask:
         pos = torch.arange(seq_len, device=device)

@@ -48,10 +48,11 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "num_iterations": Key(int, default=1, min=1, doc="optimizer steps per generation batch"),
     "prompt_sharing": Key((bool, str), default="auto", choices=PROMPT_SHARING,
                           doc="prompt once per group in the update (auto: when micro_batch_size is a multiple of G "
-                              "and the packed group is short enough to pay, decided per step)"),
+                              "and the packed group fits the model's max_seq_len, decided per step)"),
     "prompt_sharing_attention": Key(str, default="auto", choices=ATTENTION_SETTINGS,
-                                    doc="attention of the packed groups: auto (sdpa up to 12288 packed tokens, "
-                                        "flex beyond on CUDA), sdpa (dense mask, any device) or flex "
+                                    doc="attention of the packed groups: auto (= cascade), cascade (each completion "
+                                        "attends to its prompt and itself, only the scores the mask keeps, any "
+                                        "device), sdpa (dense mask, any device, packs up to 12288 tokens) or flex "
                                         "(FlexAttention block mask, CUDA; compiles once per 1024-token bucket)"),
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
@@ -147,7 +148,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                           f"${{generation.temperature}})")
     if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
-                          f"CUDA available: {torch.cuda.is_available()}); use 'sdpa'")
+                          f"CUDA available: {torch.cuda.is_available()}); use 'auto' (cascade)")
     sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
     on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     try:

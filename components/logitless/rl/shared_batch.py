@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from logitless.modules import HeadInput, unwrap_compiled
+from logitless.modules.cascade_attention import cascade_layout, enable_cascade_attention
 from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups, segment_mask
 from logitless.rl.rollout.result import Rollout
 
-ATTENTION = ("sdpa", "flex")
+ATTENTION = ("cascade", "sdpa", "flex")
 #: ``prompt_sharing_attention`` in a config: ``auto`` chooses per step (:func:`packing_attention`).
 ATTENTION_SETTINGS = ("auto",) + ATTENTION
 #: The flex path pads packed groups to a multiple of this many tokens: torchtune compiles
@@ -39,9 +40,10 @@ class SharedGroupBatch:
         truncated (torch.Tensor): ``(B*G,)`` bool, completions that hit the length limit.
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
-        attention (str): ``"sdpa"`` (dense boolean mask, every device) or ``"flex"`` (a FlexAttention
-            ``BlockMask`` that skips the masked blocks: each completion's attention to the other
-            completions; CUDA only, through torchtune's flex path).
+        attention (str): ``"cascade"`` (each completion attends to its prompt's keys and its own:
+            only the scores the mask keeps, every device; :mod:`logitless.modules.cascade_attention`),
+            ``"sdpa"`` (dense boolean mask, every device) or ``"flex"`` (a FlexAttention ``BlockMask``
+            that skips the masked blocks; CUDA only, through torchtune's flex path).
     """
 
     prompts: List[torch.Tensor]
@@ -50,7 +52,7 @@ class SharedGroupBatch:
     truncated: torch.Tensor
     pad_id: int = 0
     ignore_index: int = -100
-    attention: str = "sdpa"
+    attention: str = "cascade"
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -124,7 +126,13 @@ class SharedGroupBatch:
             raise ValueError(f"prompt_sharing: the packed groups are {length} tokens long (longest "
                              f"prompt + G x completion length), more than the model's max_seq_len={limit}; "
                              f"set prompt_sharing: false")
-        if self.attention == "flex":
+        if self.attention == "cascade":
+            enable_cascade_attention(inner)
+            packed = self.pack()
+            layout = cascade_layout([p.numel() for p in self.prompts], self.num_generations,
+                                    self.completions.shape[2], self.completions.device)
+            out = policy_forward(model, packed._replace(mask=layout))
+        elif self.attention == "flex":
             if not flex_available(self.completions.device):
                 raise ValueError("attention='flex' needs CUDA (torchtune uses FlexAttention on sm >= 7.5 GPUs "
                                  "only); use attention='sdpa'")
@@ -201,14 +209,14 @@ def _compiled_create_block_mask():
 
 
 def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
-                 attention: str = "sdpa") -> SharedGroupBatch:
+                 attention: str = "cascade") -> SharedGroupBatch:
     """Groups a rollout's rows (contiguous groups of G) and strips each prompt's left padding.
 
     Args:
         rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`) (N = prompts x G rows).
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
-        attention (str): ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.
+        attention (str): ``"cascade"``, ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.
 
     Returns:
         SharedGroupBatch: ``N / G`` groups.
@@ -237,7 +245,8 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
 
 
 PROMPT_SHARING = (True, False, "auto")
-#: The longest packed group that ``prompt_sharing: auto`` runs through the dense-mask SDPA path. The
+#: The longest packed group that ``prompt_sharing_attention: sdpa`` packs (longer ones run expanded
+#: unless ``prompt_sharing: true``). The
 #: mask makes that attention quadratic in the packed length (the scores of every completion against
 #: every other one are computed, then masked), which outgrows what packing saves in the linear
 #: layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt, update time packed vs expanded: 9216 packed
@@ -262,48 +271,44 @@ def flex_available(device: torch.device) -> bool:
     return device.type == "cuda" and bool(_SUPPORTS_FLEX_ATTENTION)
 
 
-def packing_attention(length: int, *, attention: str, max_seq_len: Optional[int], flex_ok: bool,
+def packing_attention(length: int, *, attention: str, max_seq_len: Optional[int],
                       must_pack: bool = False) -> Optional[str]:
     """Per step: the attention to pack groups of ``length`` tokens with, or None to run them expanded.
 
-    The dense-mask SDPA path is quadratic in the packed length: it pays up to
-    :data:`AUTO_MAX_PACKED_SDPA` tokens. FlexAttention skips the masked blocks and stays linear, but
-    compiles once per length bucket and, on short groups, is no faster (H200, Qwen2.5-1.5B, G=8 x
-    512, packed ~5k tokens: update 1.88 s flex vs 1.85 s sdpa, after a 48 s first compile). So
-    ``auto`` packs short groups with SDPA and long ones with flex where it runs (CUDA), else
-    expanded. Packed groups must fit the model's ``max_seq_len``.
+    ``auto`` is cascade attention (:mod:`logitless.modules.cascade_attention`): it computes only the
+    scores the packing's mask keeps, so packing pays at every length, on every device, with no length
+    buckets to compile. The dense-mask SDPA path is quadratic in the packed length and pays up to
+    :data:`AUTO_MAX_PACKED_SDPA` tokens; FlexAttention (CUDA) skips the masked blocks but compiles once
+    per length bucket. Packed groups must fit the model's ``max_seq_len`` (torchtune's decoder checks
+    the sequence length).
 
     Args:
         length (int): :func:`packed_length` (the largest over data-parallel ranks).
-        attention (str): the ``prompt_sharing_attention`` setting: ``auto``, ``sdpa`` or ``flex``.
+        attention (str): the ``prompt_sharing_attention`` setting: ``auto``, ``cascade``, ``sdpa`` or ``flex``.
         max_seq_len (Optional[int]): the model's limit (None: none).
-        flex_ok (bool): :func:`flex_available` on the training device.
         must_pack (bool): ``prompt_sharing: true``: never None (the forward then raises past
             ``max_seq_len``).
 
     Returns:
-        Optional[str]: ``"sdpa"``, ``"flex"``, or None (expanded batch).
+        Optional[str]: ``"cascade"``, ``"sdpa"``, ``"flex"``, or None (expanded batch).
 
     Example:
-        >>> packing_attention(9216, attention="auto", max_seq_len=32768, flex_ok=True)
-        'sdpa'
-        >>> packing_attention(17408, attention="auto", max_seq_len=32768, flex_ok=True)
-        'flex'
-        >>> packing_attention(17408, attention="auto", max_seq_len=32768, flex_ok=False) is None
+        >>> packing_attention(17408, attention="auto", max_seq_len=32768)
+        'cascade'
+        >>> packing_attention(17408, attention="sdpa", max_seq_len=32768) is None
         True
     """
     if attention not in ATTENTION_SETTINGS:
         raise ValueError(f"config key 'prompt_sharing_attention': expected one of {list(ATTENTION_SETTINGS)}, "
                          f"got {attention!r}")
-    short = length <= AUTO_MAX_PACKED_SDPA
     if attention == "auto":
-        attention = "sdpa" if short or not flex_ok else "flex"
-    fits = (max_seq_len is None or length <= max_seq_len) and (attention == "flex" or short)
+        attention = "cascade"
+    fits = (max_seq_len is None or length <= max_seq_len) and (attention != "sdpa" or length <= AUTO_MAX_PACKED_SDPA)
     return attention if fits or must_pack else None
 
 
 def step_packing_attention(rollout: Rollout, model: nn.Module, *, enabled: bool, attention: str, must_pack: bool,
-                           device: torch.device, all_reduce: Callable[..., torch.Tensor]) -> Optional[str]:
+                           all_reduce: Callable[..., torch.Tensor]) -> Optional[str]:
     """:func:`packing_attention` for one GRPO step, decided from the longest packed group over all
     ranks (every rank calls it), so that every rank runs the same path.
 
@@ -313,18 +318,16 @@ def step_packing_attention(rollout: Rollout, model: nn.Module, *, enabled: bool,
         enabled (bool): :func:`use_prompt_sharing`'s answer for the run (False: always expanded).
         attention (str): the ``prompt_sharing_attention`` setting.
         must_pack (bool): ``prompt_sharing: true``.
-        device (torch.device): the training device (FlexAttention needs CUDA).
         all_reduce (Callable): ``Runtime.all_reduce``.
 
     Returns:
-        Optional[str]: ``"sdpa"``, ``"flex"``, or None (expanded batch).
+        Optional[str]: ``"cascade"``, ``"sdpa"``, ``"flex"``, or None (expanded batch).
     """
     if not enabled:
         return None
     length = int(all_reduce(torch.tensor(float(packed_length(rollout))), op="max"))
     max_seq_len = getattr(unwrap_compiled(model), "max_seq_len", None)
-    return packing_attention(length, attention=attention, max_seq_len=max_seq_len,
-                             flex_ok=flex_available(device), must_pack=must_pack)
+    return packing_attention(length, attention=attention, max_seq_len=max_seq_len, must_pack=must_pack)
 
 
 def use_prompt_sharing(setting, *, micro_batch_size: int, num_generations: int) -> bool:
@@ -358,7 +361,7 @@ def use_prompt_sharing(setting, *, micro_batch_size: int, num_generations: int) 
 
 
 def training_batch(rollout: Rollout, *, prompt_sharing: bool, pad_id: int = 0, ignore_index: int = -100,
-                   attention: str = "sdpa"):
+                   attention: str = "cascade"):
     """The update's batch of a rollout: shared prompts, or one row per completion.
 
     Args:
@@ -367,7 +370,7 @@ def training_batch(rollout: Rollout, *, prompt_sharing: bool, pad_id: int = 0, i
             (:func:`logitless.rl.batch.policy_batch`; its head is response-only too).
         pad_id (int): filler token of packed sequences.
         ignore_index (int): label of positions without a token.
-        attention (str): attention of the shared path, ``"sdpa"`` or ``"flex"`` (CUDA).
+        attention (str): attention of the shared path, ``"cascade"``, ``"sdpa"`` or ``"flex"`` (CUDA).
 
     Returns:
         SharedGroupBatch | PolicyBatch: what :func:`logitless.rl.update.grpo_update` takes.
