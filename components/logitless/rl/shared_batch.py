@@ -135,7 +135,7 @@ class SharedGroupBatch:
         elif self.attention == "flex":
             if not flex_available(self.completions.device):
                 raise ValueError("attention='flex' needs CUDA (torchtune uses FlexAttention on sm >= 7.5 GPUs "
-                                 "only); use attention='sdpa'")
+                                 "only); use attention='cascade'")
             bucket = -(-length // FLEX_LENGTH_MULTIPLE) * FLEX_LENGTH_MULTIPLE
             packed = self.pack(seq_len=min(bucket, limit) if limit is not None else bucket)
             _allow_flex_recompiles(limit)
@@ -246,11 +246,11 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
 
 PROMPT_SHARING = (True, False, "auto")
 #: The longest packed group that ``prompt_sharing_attention: sdpa`` packs (longer ones run expanded
-#: unless ``prompt_sharing: true``). The
-#: mask makes that attention quadratic in the packed length (the scores of every completion against
-#: every other one are computed, then masked), which outgrows what packing saves in the linear
-#: layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt, update time packed vs expanded: 9216 packed
-#: tokens 0.26 vs 0.28 s, 17408 tokens 0.72 vs 0.38 s (``benchmarks/results/prompt_sharing_scaling_h200.csv``).
+#: unless ``prompt_sharing: true``). The dense mask makes that attention quadratic in the packed
+#: length (the scores of every completion against every other one are computed, then masked), which
+#: outgrows what packing saves in the linear layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt,
+#: update time packed vs expanded: 9216 packed tokens 0.26 vs 0.28 s, 17408 tokens 0.72 vs 0.38 s
+#: (``benchmarks/results/prompt_sharing_scaling_h200.csv``).
 AUTO_MAX_PACKED_SDPA = 12288
 
 
