@@ -72,12 +72,11 @@ def cascade_layout(prompt_lengths: List[int], num_generations: int, completion_l
         return CascadeLayout(p, g, t, flash=flash_available(device))
     pad = p - torch.tensor(prompt_lengths, device=device)  # [B] left padding of each prompt
     col = torch.arange(p + t, device=device)
-    row = torch.arange(max(p, t), device=device)
     key_valid = col[None, :] >= pad[:, None]  # [B, P + T]: not left padding
-    prompt_rows = row[:p, None]
+    prompt_rows = col[:p, None]
     prompt_mask = (col[None, :p] <= prompt_rows) & key_valid[:, None, :p]
     prompt_mask = prompt_mask | (col[None, :p] == prompt_rows)  # a padding row attends to itself only
-    completion_mask = (col[None, :] <= p + row[:t, None]) & key_valid[:, None, :]  # [B, T, P + T]
+    completion_mask = (col[None, :] <= p + col[:t, None]) & key_valid[:, None, :]  # [B, T, P + T]
     completion_mask = completion_mask.repeat_interleave(g, dim=0)
     return CascadeLayout(p, g, t, prompt_mask[:, None], completion_mask[:, None], flash_available(device))
 

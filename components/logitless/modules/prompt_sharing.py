@@ -105,7 +105,8 @@ def pack_groups(
         raise ValueError(f"prompts must hold one prompt per group ({b}), got {len(prompts)}")
     if any(p.dim() != 1 or p.numel() == 0 for p in prompts):
         raise ValueError("prompts must be non-empty 1-D token tensors")
-    need = max(p.numel() for p in prompts) + g * lc
+    width = max(p.numel() for p in prompts)  # prompts end here, so completions share their columns
+    need = width + g * lc
     seq_len = seq_len or need
     if seq_len < need:
         raise ValueError(f"seq_len must be >= longest prompt + G * Lc = {need}, got {seq_len}")
@@ -116,7 +117,6 @@ def pack_groups(
     segment = torch.full((b, seq_len), g, dtype=torch.long, device=device)
     predict_rows = torch.zeros((b, g, lc), dtype=torch.long, device=device)
     ar = torch.arange(lc, device=device)
-    width = need - g * lc  # the longest prompt: prompts end there, so completions share their columns
     for i, prompt in enumerate(prompts):
         lp = prompt.numel()
         tokens[i, width - lp : width] = prompt.to(device)
