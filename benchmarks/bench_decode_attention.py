@@ -30,6 +30,7 @@ Example (H200):
 import argparse
 import csv
 import datetime
+import importlib
 import itertools
 import math
 import os
@@ -45,15 +46,18 @@ from bench_generation import _gpu_name, _table, _version, copy_bandwidth, result
 from bench_sft import _add_columns  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
-METHODS = ("sdpa_window", "sdpa_full", "split_k")
+METHODS = ("sdpa_window", "sdpa_full", "split_k", "split_k_shared")
 CACHE_ROWS = 64
 FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "cache_len", "filled", "method", "split_len",
-          "resolved_split_len", "block_n", "num_warps", "num_stages", "programmatic", "us",
+          "resolved_split_len", "block_n", "num_warps", "num_stages", "programmatic", "prompt_len", "group",
+          "prefix_split_len", "prefix_block_n", "prefix_warps", "us",
           "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
-def make_inputs(model, rows, cache_len, device, dtype):
-    """q ``(rows, Hq, D)``, K/V caches ``(rows, Hkv, L, D)`` (views of 64-row caches) and the key mask."""
+def make_inputs(model, rows, cache_len, device, dtype, prompt_len=0, group=1):
+    """q ``(rows, Hq, D)``, K/V caches ``(rows, Hkv, L, D)`` (views of 64-row caches) and the key mask;
+    with ``prompt_len``, the first ``prompt_len`` columns (keys, values, mask) equal within each
+    group of ``group`` consecutive rows, as the sampler's caches hold a group's prompt."""
     hq, hkv, dim = SHAPES[model]
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(rows, hq, dim, generator=g, device=device).to(dtype)
@@ -62,7 +66,31 @@ def make_inputs(model, rows, cache_len, device, dtype):
     valid = torch.ones(max(rows, CACHE_ROWS), cache_len, dtype=torch.bool, device=device)
     for row in range(valid.shape[0]):
         valid[row, :row % 7] = False  # a little left padding per row
+    if prompt_len:
+        leader = torch.arange(valid.shape[0], device=device) // group * group
+        for t in (k, v):
+            t[:, :, :prompt_len] = t[leader, :, :prompt_len].clone()
+        valid[:, :prompt_len] = valid[leader, :prompt_len].clone()
     return q, k[:rows], v[:rows], valid[:rows]
+
+
+def shared_prefix(model, rows, prompt_len, group, device):
+    """The :class:`~logitless.ops.triton.decode_attention.SharedPrefix` of ``rows // group`` groups
+    (each cut into segments of :func:`~logitless.ops.triton.decode_attention.prefix_rows` rows)."""
+    from logitless.ops.triton.decode_attention import SharedPrefix, prefix_rows, shared_prefix_segments
+
+    hq, hkv, _ = SHAPES[model]
+    per = prefix_rows(hq // hkv, group)
+    row = torch.arange(rows, device=device)
+    count = -(-rows // group) * -(-group // per)
+    start, seg_rows = shared_prefix_segments(row // group * -(-group // per) + row % group // per, count)
+    return SharedPrefix(torch.tensor([prompt_len], device=device), start, seg_rows,
+                        torch.tensor([rows], device=device), per)
+
+
+def _kernel_module():
+    # the module itself: the package attribute of that name is the function
+    return importlib.import_module("logitless.ops.triton.decode_attention")
 
 
 def sdpa_step(q, k, v, valid, n_filled, window):
@@ -75,11 +103,14 @@ def sdpa_step(q, k, v, valid, n_filled, window):
     return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask).reshape(b, hq, d)
 
 
-def methods(args, cache_len, filled):
+def methods(args, cache_len, filled, prefix=None):
     """``(method, launch parameters, callable(q, k, v, valid, n_filled))`` of one configuration;
     split-K once per (split length: ``auto`` and ``--split-lens``) x ``--block-ns`` x ``--warps`` x
-    ``--stages`` x ``--programmatic`` (None: the kernel's default)."""
+    ``--stages`` x ``--programmatic`` (None: the kernel's default); ``split_k_shared`` (with
+    ``prefix``, a SharedPrefix) at the kernel's default launch once per ``--prefix-split-lens`` x
+    ``--prefix-block-ns`` x ``--prefix-warps`` (the last two set the module's constants)."""
     from logitless.ops.triton import decode_attention
+    module = _kernel_module()
 
     window = min(cache_len, -(-filled // args.window) * args.window)
     out = []
@@ -88,6 +119,19 @@ def methods(args, cache_len, filled):
             out.append((name, {}, lambda q, k, v, m, n, w=window: sdpa_step(q, k, v, m, n, w)))
         elif name == "sdpa_full":
             out.append((name, {}, lambda q, k, v, m, n: sdpa_step(q, k, v, m, n, cache_len)))
+        elif name == "split_k_shared":
+            if prefix is None:
+                continue
+            for split, block_n, warps in itertools.product([None] + args.prefix_split_lens,
+                                                           args.prefix_block_ns or [module.PREFIX_BLOCK_N],
+                                                           args.prefix_warps or [module.PREFIX_NUM_WARPS]):
+                launch = dict(prefix_split_len=split, prefix_block_n=block_n, prefix_warps=warps)
+
+                def call(q, k, v, m, n, split=split, block_n=block_n, warps=warps):
+                    module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS = block_n, warps
+                    return decode_attention(q, k, v, m, n, shared_prefix=prefix, prefix_split_len=split)
+
+                out.append((name, launch, call))
         else:
             for split, block_n, warps, stages, programmatic in itertools.product(
                     [None] + args.split_lens, args.block_ns or [None], args.warps or [None], args.stages or [None],
@@ -158,27 +202,36 @@ def bench(args):
     for model in args.models:
         hq, hkv, dim = SHAPES[model]
         for rows in args.rows:
-            q, k, v, valid = make_inputs(model, rows, args.cache_len, device, dtype)
+            q, k, v, valid = make_inputs(model, rows, args.cache_len, device, dtype, args.prompt_len, args.group)
+            prefix = shared_prefix(model, rows, args.prompt_len, args.group, device) if args.prompt_len else None
+            module = _kernel_module()
+            defaults = module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS
             for filled in args.filled:
                 n_filled = torch.tensor([filled], device=device)
-                nbytes = rows * hkv * filled * dim * 2 * k.element_size() + 2 * rows * hq * dim * q.element_size()
+                kv_row = hkv * dim * 2 * k.element_size()  # bytes of one cache column of one row
+                nbytes = rows * kv_row * filled + 2 * rows * hq * dim * q.element_size()
                 reference = sdpa_step(q, k, v, valid, n_filled, args.cache_len).float()
-                for name, launch, fn in methods(args, args.cache_len, filled):
+                for name, launch, fn in methods(args, args.cache_len, filled, prefix):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
                                bytes=nbytes, status="ok")
                     if name == "split_k":
                         row.update(resolved_launch(launch, rows, hkv, args.cache_len, device))
+                    if name == "split_k_shared":  # the prompt read once per group
+                        row.update(launch, prompt_len=args.prompt_len, group=args.group,
+                                   bytes=nbytes - (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled))
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
-                        roof = nbytes / bandwidth
+                        roof = row["bytes"] / bandwidth
                         row.update(us=round(seconds * 1e6, 2), max_diff=f"{diff:.2e}",
                                    copy_gbps=round(bandwidth / 1e9, 1), roofline_us=round(roof * 1e6, 2),
                                    of_copy_bw="" if math.isnan(roof) else round(roof / seconds, 3))
                     except Exception as exc:  # one failing configuration must not hide the others' numbers
                         row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
+                    module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS = defaults
                     tag = " ".join(f"{k}={row[k]}" for k in ("resolved_split_len", "block_n", "num_warps", "num_stages",
-                                                             "programmatic") if k in row)
+                                                             "programmatic", "prefix_split_len", "prefix_block_n",
+                                                             "prefix_warps") if k in row)
                     print(f"[{model} rows={rows} filled={filled}] {name:>11} {tag}: {row.get('us', '-')} us "
                           f"({row.get('of_copy_bw', '-')} of copy bw) max_diff {row.get('max_diff', '-')} "
                           f"{row['status']}", flush=True)
@@ -187,7 +240,7 @@ def bench(args):
 
 
 TABLE_COLUMNS = ["model", "rows", "filled", "method", "split_len", "resolved_split_len", "block_n", "num_warps",
-                 "num_stages", "programmatic", "us",
+                 "num_stages", "programmatic", "prompt_len", "prefix_split_len", "prefix_block_n", "prefix_warps", "us",
                  "roofline_us", "of_copy_bw", "max_diff", "status"]
 
 
@@ -210,6 +263,13 @@ def parse_args(argv=None):
     ap.add_argument("--stages", type=_ints, default=[], help="split_k pipeline stages (default: the kernel's)")
     ap.add_argument("--programmatic", type=_ints, default=[1],
                     help="split_k programmatic dependent launch, 1 and/or 0 (used where the GPU has it)")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="split_k_shared: the first columns shared by each group of --group rows (0: not run)")
+    ap.add_argument("--group", type=int, default=16, help="rows per prompt (split_k_shared)")
+    ap.add_argument("--prefix-split-lens", type=_ints, default=[], help="split_k_shared prefix split lengths "
+                    "besides 'auto'")
+    ap.add_argument("--prefix-block-ns", type=_ints, default=[], help="split_k_shared prefix kernel block columns")
+    ap.add_argument("--prefix-warps", type=_ints, default=[], help="split_k_shared prefix kernel warps")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -70,7 +70,8 @@ MIX_RATE = 2.821
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "sampler", "decode_attention", "options", "mix",
           "prompts", "G", "rows",
           "prompt_len", "new_tokens", "seconds", "prefill_s", "generated", "mean_len", "tokens_per_s",
-          "step_ms", "step_gb", "copy_gbps", "roofline_ms", "roofline_frac", "compile_s", "status"]
+          "step_ms", "step_gb", "copy_gbps", "roofline_ms", "roofline_frac", "shared_prompt", "step_gb_shared",
+          "roofline_shared_ms", "roofline_shared_frac", "compile_s", "status"]
 GROUP = 16
 
 
@@ -124,12 +125,13 @@ def copy_bandwidth(device, gib=1.0, repeats=10):
     return 2 * n * 2 * repeats / seconds
 
 
-def step_bytes(model, rows, prompt_len, new_tokens):
+def step_bytes(model, rows, prompt_len, new_tokens, group=1):
     """Bytes one decode step must read, averaged over the ``new_tokens - 1`` steps.
 
     Every weight once (a tied embedding is the head's weight, read once; an untied embedding table
     is only gathered at ``rows`` entries), plus the filled part of the KV cache: the prompt and the
-    tokens generated so far, for every row, layer, K and V.
+    tokens generated so far, for every row, layer, K and V; with ``group`` > 1 the prompt's entries
+    once per group of ``group`` rows (a sampler that reads a shared prompt once).
     """
     from torchtune.modules import MultiHeadAttention, TiedLinear
 
@@ -143,8 +145,8 @@ def step_bytes(model, rows, prompt_len, new_tokens):
         weights -= emb.numel() * emb.element_size() - rows * emb.shape[1] * emb.element_size()
     attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     per_token = sum(2 * a.num_kv_heads * a.head_dim for a in attns) * emb.element_size()
-    mean_fill = prompt_len + new_tokens / 2  # column t holds prompt_len + t entries, t = 1 .. new - 1
-    return weights + rows * per_token * mean_fill
+    # column t holds prompt_len + t entries, t = 1 .. new - 1
+    return weights + per_token * (-(-rows // group) * prompt_len + rows * new_tokens / 2)
 
 
 def mix_stop_tokens(vocab, new_tokens, seed=0):
@@ -251,6 +253,13 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
                 row.update(step_ms=round(step * 1e3, 3), step_gb=round(nbytes / 1e9, 3),
                            copy_gbps=round(bandwidth / 1e9, 1), roofline_ms=round(roof * 1e3, 3),
                            roofline_frac=round(roof / step, 3) if step > 0 else "")
+                # what a sampler reading each group's prompt once must read (the fraction above
+                # counts every row's copy, as issue 14's roofline does)
+                shared = step_bytes(model, rows, prompt_len, new_tokens, GROUP) / bandwidth
+                row.update(step_gb_shared=round(shared * bandwidth / 1e9, 3), roofline_shared_ms=round(shared * 1e3, 3),
+                           roofline_shared_frac=round(shared / step, 3) if step > 0 else "")
+            uses = getattr(sampler, "uses_shared_prompt", None)
+            row.update(shared_prompt=int(bool(uses and uses(model, device, GROUP, prompt_len))))
         except torch.cuda.OutOfMemoryError:
             row.update(status="OOM")
         except Exception as exc:  # one failing configuration must not hide the others' numbers
@@ -363,7 +372,7 @@ def results_csv(stem, gpu):
 
 
 TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "decode_attention", "tokens_per_s", "mean_len",
-                 "step_ms", "roofline_ms", "roofline_frac", "compile_s", "status"]
+                 "step_ms", "roofline_ms", "roofline_frac", "shared_prompt", "roofline_shared_frac", "compile_s", "status"]
 
 
 def _table(rows, cols=TABLE_COLUMNS):

@@ -64,6 +64,43 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
 
 
 @pytest.mark.parametrize("model", list(SHAPES))
+def test_shared_prefix_matches_float64_as_well_as_sdpa_at_qwen_shapes(model):
+    # 64 rows = 4 prompts x 16 completions, 1024 prompt columns; rows past the first of a group hold
+    # NaN there (never read); the last 4 rows are compaction's fillers, outside every segment
+    from logitless.ops.triton.decode_attention import SharedPrefix, decode_attention, prefix_rows, \
+        shared_prefix_segments
+
+    hq, hkv, dim = SHAPES[model]
+    rows, group, width, covered = 64, 16, 1024, 60
+    per = prefix_rows(hq // hkv, group)
+    row = torch.arange(covered, device="cuda")
+    start, seg_rows = shared_prefix_segments(row // group * -(-group // per) + row % group // per,
+                                             rows // group * -(-group // per))
+    prefix = SharedPrefix(torch.tensor([width], device="cuda"), start, seg_rows, torch.tensor([covered], device="cuda"),
+                          per)
+    leader = torch.arange(rows, device="cuda") // group * group
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (width, 1100, 1536, LENGTH):
+            q, k, v, valid = _problem(hq, hkv, dim, rows, dtype, seed=n)
+            seen = [t.clone() for t in (k, v)] + [valid.clone()]
+            seen[0][:, :, :width] = k[leader, :, :width]
+            seen[1][:, :, :width] = v[leader, :, :width]
+            seen[2][:, :width] = valid[leader, :width]
+            seen[2][covered:, :width] = False
+            others = leader != torch.arange(rows, device="cuda")
+            for t in (k, v):
+                t[others, :, :width] = float("nan")
+            nf = torch.tensor([n], device="cuda")
+            exact = _exact(q, *seen, n)
+            err = lambda a: ((a.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+            sdpa = err(_sdpa(q, *seen, n))
+            for split in (None, 256):
+                ours = decode_attention(q, k, v, valid, nf, shared_prefix=prefix, prefix_split_len=split)
+                assert torch.isfinite(ours).all()
+                assert err(ours) <= 1.5 * sdpa + (1e-6 if dtype == torch.float32 else 0.0), (dtype, n, split)
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
 def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(model):
     # programmatic dependent launches let a kernel start while the one before finishes: the output
     # must not change, also when a graph chains many calls that each read the previous one's output
@@ -118,3 +155,22 @@ def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_la
     assert torch.equal(split_k.completion_mask, sdpa.completion_mask)
     assert torch.equal(split_k.completion_tokens, sdpa.completion_tokens)
     torch.testing.assert_close(split_k.sampler_log_probs, sdpa.sampler_log_probs, atol=2e-3, rtol=0)
+
+
+def test_greedy_shared_prompt_decode_equals_per_row_split_k_token_for_token(two_layers_varied):
+    from logitless.rl.rollout import CompiledSampler
+    from logitless.rl.rollout.eager import generate
+
+    model = two_layers_varied
+    free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
+    stops = sorted({int(free.completion_tokens[4 * p, 8 + 10 * p]) for p in range(4)})
+    kw = dict(max_new_tokens=48, stop_tokens=stops, pad_id=0, num_generations=4, temperature=0)
+    runs = {}
+    for share in (False, True):
+        sampler = CompiledSampler(min_bucket=2, sync_every=4, decode_attention="split_k", shared_prompt_decode=share)
+        runs[share] = sampler(model, PROMPTS, **kw)
+        assert (sampler._state["segments"] is not None) == share
+    assert len(set(runs[True].completion_lengths.tolist())) >= 3  # compaction ran
+    assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
+    assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)
+    torch.testing.assert_close(runs[True].sampler_log_probs, runs[False].sampler_log_probs, atol=2e-3, rtol=0)

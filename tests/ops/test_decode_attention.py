@@ -147,6 +147,77 @@ def test_one_graph_under_torch_compile():
     torch.testing.assert_close(out, step(q, k, v, valid, nf), rtol=0, atol=0)
 
 
+def _shared_problem(hkv, group, dim, dtype, seed, width=37, length=70):
+    """A bucket of 7 rows (of a 9-row cache) in three segments and a filler: rows 0-2 share their
+    first ``width`` columns with row 0, rows 3-4 with row 3, row 5 alone; row 6 is outside every
+    segment (``covered`` = 6); one empty segment in between. Every row that is not the first of its
+    segment holds NaN keys and values and a random validity in its shared columns (never read); the
+    segments' first rows are left-padded differently."""
+    from logitless.ops.triton.decode_attention import SharedPrefix
+
+    g = torch.Generator().manual_seed(seed)
+    rows, cache_rows = 7, 9
+    q = torch.randn(rows, dim, hkv * group, generator=g, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(cache_rows, hkv, length, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(cache_rows, hkv, length, dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(cache_rows, length, dtype=torch.bool)
+    valid[0, :4] = False
+    valid[3, :11] = False
+    valid[5, 30:33] = False
+    valid[:, width + 3] = False  # a hole after the prefix too
+    starts, counts = [0, 3, 3, 5], [3, 0, 2, 1]
+    leader = torch.tensor([0, 0, 0, 3, 3, 5, 6])
+    seen_k, seen_v, seen_valid = k.clone(), v.clone(), valid.clone()
+    for row in (1, 2, 4):
+        seen_k[row, :, :width] = k[0 if row < 3 else 3, :, :width]
+        seen_v[row, :, :width] = v[0 if row < 3 else 3, :, :width]
+        seen_valid[row, :width] = valid[0 if row < 3 else 3, :width]
+        k[row, :, :width] = float("nan")
+        v[row, :, :width] = float("nan")
+        valid[row, :width] = torch.rand(width, generator=g) < 0.5
+    seen_valid[6, :width] = False  # the filler attends to its own columns only
+    cast = lambda t: t.to(dtype).to(DEV)  # noqa: E731
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEV)  # noqa: E731
+    prefix = SharedPrefix(torch.tensor([width], device=DEV), i32(starts), i32(counts),
+                          torch.tensor([6], device=DEV), max_rows=3)
+    assert torch.equal(leader[:6], torch.tensor([0, 0, 0, 3, 3, 5]))
+    return (cast(q), cast(k)[:rows], cast(v)[:rows], valid.to(DEV)[:rows], prefix,
+            (cast(q), cast(seen_k)[:rows], cast(seen_v)[:rows], seen_valid.to(DEV)[:rows]))
+
+
+@pytest.mark.parametrize("dtype,hkv,group,dim", [
+    (torch.float32, 1, 1, 16), (torch.float32, 2, 3, 16), (torch.bfloat16, 2, 7, 16), (torch.float32, 1, 7, 64)])
+def test_shared_prefix_reads_each_segments_first_row_once_and_matches_float64(dtype, hkv, group, dim):
+    q, k, v, valid, prefix, seen = _shared_problem(hkv, group, dim, dtype, seed=group)
+    for n in (37, 41, 70):  # the prefix alone, a few own columns, the whole cache
+        nf = torch.tensor([n], device=DEV)
+        exact = _float64(*seen, n)  # every row on the cache it is meant to see
+        sdpa = _err(_sdpa(*seen, n), exact)
+        for prefix_split, split in ((16, 16), (None, None)):  # 3 prefix splits and 3 own ones; the defaults
+            out = decode_attention(q, k, v, valid, nf, shared_prefix=prefix, prefix_split_len=prefix_split,
+                                   split_len=split, block_n=16 if split else None)
+            assert torch.isfinite(out).all()
+            assert _err(out, exact) <= 1.5 * sdpa + (1e-6 if dtype == torch.float32 else 0.0), (n, prefix_split)
+        ref = decode_attention_reference(q, k, v, valid, nf, 1 / math.sqrt(dim), shared_prefix=prefix)
+        assert _err(ref, exact) <= 1.5 * sdpa + 1e-6
+
+
+def test_shared_prefix_equals_the_plain_kernel_on_a_replicated_cache():
+    from logitless.ops.triton.decode_attention import shared_prefix_segments
+
+    q, k, v, valid, prefix, (_, seen_k, seen_v, seen_valid) = _shared_problem(2, 3, 16, torch.float32, seed=4)
+    nf = torch.tensor([58], device=DEV)
+    full = prefix._replace(covered=torch.tensor([7], device=DEV))  # the filler as a segment of its own
+    full = full._replace(**dict(zip(("seg_start", "seg_rows"),
+                                    shared_prefix_segments(torch.tensor([0, 0, 0, 2, 2, 3, 4], device=DEV), 5))))
+    assert full.seg_start.tolist() == [0, 3, 3, 5, 6] and full.seg_rows.tolist() == [3, 0, 2, 1, 1]
+    seen_valid = seen_valid.clone()
+    seen_valid[6] = valid[6]
+    shared = decode_attention(q, k, v, valid, nf, shared_prefix=full, prefix_split_len=16, split_len=32, block_n=16)
+    plain = decode_attention(q, seen_k, seen_v, seen_valid, nf, split_len=32, block_n=16)
+    torch.testing.assert_close(shared, plain, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(q=torch.zeros(3, 6)), "expected q \\(B, Hq, D\\)"),
     (dict(q=torch.zeros(3, 5, 16)), "Hq a multiple of Hkv"),
@@ -190,25 +261,35 @@ da = importlib.import_module("logitless.ops.triton.decode_attention")
 # the programmatic-launch build (gdc_wait, launch_pdl) is what an H200 runs; the plain one other GPUs
 for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("fp16", 128, 6, False),
                                ("fp32", 64, 3, False)):
-    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64"}
-    shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SPLITS=6, SPLIT_LEN=256, PDL=pdl)
-    block_n, warps, stages = da.BLOCK_N, da.NUM_WARPS, da.NUM_STAGES
-    for kernel, extra in ((da.decode_partial_kernel, dict(BLOCK_N=block_n, WIDE_DOT=dtype == "fp32")),
-                          (da.decode_merge_kernel, {})):
-        constexprs = {**shapes, **extra}
-        signature = {name: "constexpr" if name in constexprs else
-                     "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
-                     "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": stages, "launch_pdl": pdl})
-        assert compiled.asm["cubin"], (kernel.__name__, dtype, dim, group)
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64",
+                "col0_ptr": "i64", "width_ptr": "i64", "covered_ptr": "i64", "seg_start_ptr": "i32",
+                "seg_rows_ptr": "i32"}
+    wide = dtype == "fp32"
+    for prefix in (False, True):
+        shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SLOTS=6 + 4 * prefix, SLOT0=4 * prefix,
+                      SPLIT_LEN=256, PREFIX_SPLIT_LEN=128, HAS_PREFIX=prefix, PDL=pdl)
+        kernels = [(da.decode_partial_kernel, dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide), da.NUM_WARPS),
+                   (da.decode_merge_kernel, {}, 4)]
+        if prefix:
+            m_pad = triton.next_power_of_2(da.MAX_PREFIX_QUERIES // group * group)
+            kernels.append((da.decode_prefix_kernel, dict(M_PAD=m_pad, SPLIT_LEN=128, BLOCK_N=da.PREFIX_BLOCK_N,
+                                                          WIDE_DOT=wide), da.PREFIX_NUM_WARPS))
+        for kernel, extra, warps in kernels:
+            constexprs = {k: v for k, v in {**shapes, **extra}.items() if k in kernel.arg_names}
+            signature = {name: "constexpr" if name in constexprs else
+                         "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
+                         "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": da.NUM_STAGES, "launch_pdl": pdl})
+            assert compiled.asm["cubin"], (kernel.__name__, dtype, dim, group)
+            assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, compiled.metadata.shared)
 print("compiled")
 """
 
 
 def test_kernels_compile_for_an_h200(compile_for_sm90):
-    """The interpreter does not compile: both kernels are built for sm_90 as on a GPU (Triton's
+    """The interpreter does not compile: the kernels are built for sm_90 as on a GPU (Triton's
     own ptxas, no device needed; in a fresh process without the interpreter), at Qwen2.5 head
     shapes and each dtype, so a change that only a GPU compile rejects fails here too."""
     compile_for_sm90(_COMPILE_FOR_H200)

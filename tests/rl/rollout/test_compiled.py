@@ -407,13 +407,15 @@ def test_compiled_step_samples_a_single_row():
 
 
 def _kernel_launches(monkeypatch):
-    """Counts the split-K kernel's launches (it runs on CPU tensors under the Triton interpreter)."""
+    """Records the split-K kernels' launches as (rows, shared prefix or None) (they run on CPU tensors
+    under the Triton interpreter)."""
     import importlib
 
     module = importlib.import_module("logitless.ops.triton.decode_attention")
     launches = []
     launch = module._launch
-    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(args[0].shape[0]) or launch(*args))
+    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(
+        (args[0].shape[0], args[11] if len(args) > 11 else None)) or launch(*args))
     return launches, module._interpreting()
 
 
@@ -440,10 +442,76 @@ def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch
     torch.testing.assert_close(split_k.sampler_log_probs, sdpa.sampler_log_probs, atol=1e-5, rtol=0)
     assert completions(split_k) == [naive_greedy(model, p, 8, stops) for p in prompts for _ in range(2)]
     if interpreted:  # the kernel itself ran (else the plain PyTorch fallback did), in smaller buckets too
-        assert max(launches) == 10 and min(launches) < 10
+        rows = [n for n, _ in launches]
+        assert max(rows) == 10 and min(rows) < 10
 
 
-def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa():
+def test_shared_prompt_decode_rule():
+    from logitless.rl.rollout import compiled
+
+    cpu = torch.device("cpu")
+    model = tiny()  # head_dim 8
+    auto = CompiledSampler(decode_attention="split_k")
+    wide = compiled.SHARED_PROMPT_MIN_WIDTH
+    assert not auto.uses_shared_prompt(model, cpu, 8, wide)  # a small head: the per-row kernel measured faster
+    big_heads = tiny(kv_heads=2)
+    for attn in compiled._attention_modules(big_heads):
+        attn.head_dim = compiled.SHARED_PROMPT_MIN_HEAD_DIM
+    assert auto.uses_shared_prompt(big_heads, cpu, 8, wide)
+    assert not auto.uses_shared_prompt(big_heads, cpu, 8, wide - 1)  # a short prompt
+    assert not auto.uses_shared_prompt(big_heads, cpu, 1, wide)  # nothing shared with one completion per prompt
+    forced = CompiledSampler(decode_attention="split_k", shared_prompt_decode=True)
+    assert forced.uses_shared_prompt(model, cpu, 2, 1) and not forced.uses_shared_prompt(model, cpu, 1, 1)
+    assert not CompiledSampler(decode_attention="split_k", shared_prompt_decode=False).uses_shared_prompt(
+        big_heads, cpu, 8, wide)
+    assert not CompiledSampler().uses_shared_prompt(big_heads, cpu, 8, wide)  # auto attention off CUDA: SDPA
+    with pytest.raises(ValueError, match="shared_prompt_decode=True needs the split-K decode attention"):
+        CompiledSampler(shared_prompt_decode=True).uses_shared_prompt(model, cpu, 8, wide)
+    with pytest.raises(ValueError, match="shared_prompt_decode=True needs the split-K decode attention"):
+        CompiledSampler(decode_attention="sdpa", shared_prompt_decode=True)
+    with pytest.raises(ValueError, match="shared_prompt_decode must be None, True or False, got 'yes'"):
+        CompiledSampler(shared_prompt_decode="yes")
+
+
+@pytest.mark.parametrize("max_queries", [128, 4])  # a group in one segment; cut into segments of 2 rows
+def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_padding(monkeypatch, max_queries):
+    import importlib
+
+    from logitless.rl.rollout import prompt_generators
+
+    module = importlib.import_module("logitless.ops.triton.decode_attention")
+    monkeypatch.setattr(module, "MAX_PREFIX_QUERIES", max_queries)
+    launches, interpreted = _kernel_launches(monkeypatch)
+    model = tiny(seed=2, tied=False).eval()
+    prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
+    kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4, temperature=1.0)
+    runs, segments = {}, {}
+    for share in (False, True):
+        moves = []
+        sampler = uncompiled(decode_attention="split_k", shared_prompt_decode=share, min_bucket=2, sync_every=1,
+                             keep_cache=True, cache_len_multiple=16)
+        compact = sampler._compact
+        sampler._compact = lambda state, bucket, size, pad_id: moves.append(size) or compact(state, bucket, size,
+                                                                                             pad_id)
+        launches.clear()
+        runs[share] = sampler(model, prompts, generator=prompt_generators(0, 0, range(len(prompts))), **kw)
+        assert moves  # 20 rows -> 10 -> ...
+        segments[share] = sampler._state["segments"]
+        if interpreted:  # the shared-prefix kernels ran (launches with a prefix), in smaller buckets too
+            shared = [prefix is not None for _, prefix in launches]
+            assert launches and shared == [share] * len(launches)
+            assert min(n for n, _ in launches) < 20
+    assert segments[False] is None and segments[True] == (4, 4 if max_queries == 128 else 2,
+                                                          5 if max_queries == 128 else 10)
+    lengths = runs[True].completion_lengths.view(len(prompts), 4)
+    assert (lengths.min(1).values < lengths.max(1).values).any()  # a group's rows finish at different steps
+    assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)
+    assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
+    torch.testing.assert_close(runs[True].sampler_log_probs, runs[False].sampler_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa(shared_prompt):
     from torch._dynamo.utils import counters
 
     from logitless.rl.rollout import prompt_generators
@@ -454,7 +522,7 @@ def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa
     kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4,
               temperature=1.0)
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
-                              decode_attention="split_k", attention_window=4)
+                              decode_attention="split_k", attention_window=4, shared_prompt_decode=shared_prompt)
     sizes = []
     compact = sampler._compact
     sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)

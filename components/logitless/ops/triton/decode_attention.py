@@ -16,6 +16,12 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   (the non-empty ones) of the ``G`` query heads into ``acc / l`` in the query's dtype; a row with
   no valid key at all gets 0, as SDPA gives for a fully masked row.
 
+With a :class:`SharedPrefix` (a group's G rows holding the same prompt columns ``[0, width)``),
+``decode_prefix_kernel``, grid ``(segments, Hkv, prefix splits)``, reads those columns once per
+segment of consecutive rows, all of the segment's query heads as one operand of the products, into
+prefix slots of the workspace; the partial kernel then starts each row at column ``width``, and the
+merge folds both (op ``logitless::decode_attention_shared_prefix``).
+
 ``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
 no sync, and one CUDA graph serves every step. The op ``logitless::decode_attention`` is an opaque
 ``torch.library`` custom op (a ``triton_op`` would let inductor see the kernels, but its traceable
@@ -42,7 +48,7 @@ Example:
 """
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -51,8 +57,9 @@ from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
 
-__all__ = ["decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
-           "resolve_launch", "supports_programmatic_launch"]
+__all__ = ["SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
+           "prefix_rows", "prefix_split_len_for", "resolve_launch", "shared_prefix_segments",
+           "supports_programmatic_launch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The partial kernel's default launch: columns per inner-loop block, warps per program and
@@ -69,48 +76,80 @@ MIN_SPLIT, MAX_SPLIT = 256, 512
 #: Programs per SM the automatic split length aims at for a full cache: one (longer splits at many
 #: rows) measured best in the same sweep as the launch (2 and 4: 1.02x and 1.04x its time).
 PROGRAMS_PER_SM = 1
+#: Shared-prefix programs (:func:`decode_prefix_kernel`): rows x query heads of one program's query
+#: operand at most (a longer segment is cut into several), its inner-loop block and warps (for an
+#: operand above 64 x 128; 4 below). 128 queries keep the fp32 accumulator in registers at head_dim 128.
+MAX_PREFIX_QUERIES, PREFIX_BLOCK_N, PREFIX_NUM_WARPS = 128, 64, 8
+#: Bounds of the automatic prefix split length (columns): about one program per SM over a full cache.
+MIN_PREFIX_SPLIT, MAX_PREFIX_SPLIT = 128, 1024
+
+
+class SharedPrefix(NamedTuple):
+    """Rows whose first cache columns hold the same keys and values (a prompt and its G completions).
+
+    Rows ``seg_start[s] .. seg_start[s] + seg_rows[s] - 1`` form segment ``s``; columns
+    ``[0, width)`` of all of them are read from the segment's first row only, once for the whole
+    segment (the other rows' copies of those columns are never read). Rows from ``covered`` on
+    belong to no segment: their first ``width`` columns are not attended at all (finished filler rows
+    of a compacted bucket). All tensors live on the device, so a captured graph serves every step.
+
+    Attributes:
+        width (Tensor): ``(1,)`` int64, the shared columns.
+        seg_start (Tensor): ``(S,)`` int32, each segment's first row (segments in row order).
+        seg_rows (Tensor): ``(S,)`` int32, rows per segment, at most ``max_rows`` (0: an unused segment).
+        covered (Tensor): ``(1,)`` int64: rows ``[0, covered)`` are each inside one segment (the
+            kernels read a prefix partial for them), later rows inside none.
+        max_rows (int): the most rows a segment holds; ``max_rows x (Hq // Hkv)`` is one program's
+            query operand (:data:`MAX_PREFIX_QUERIES` at most, see :func:`prefix_rows`).
+    """
+
+    width: Tensor
+    seg_start: Tensor
+    seg_rows: Tensor
+    covered: Tensor
+    max_rows: int
+
+
+def prefix_rows(heads_per_kv: int, group_size: int) -> int:
+    """Rows per segment for groups of ``group_size`` rows sharing a prefix: the whole group, cut so
+    that one program's query operand holds at most :data:`MAX_PREFIX_QUERIES` rows x heads.
+
+    Example:
+        >>> prefix_rows(6, 16), prefix_rows(7, 64)
+        (16, 18)
+    """
+    return max(1, min(group_size, MAX_PREFIX_QUERIES // heads_per_kv))
+
+
+def shared_prefix_segments(segment_of_row: Tensor, num_segments: int) -> Tuple[Tensor, Tensor]:
+    """``(seg_start, seg_rows)`` of rows labelled with their segment, on the device, without a sync.
+
+    Args:
+        segment_of_row (Tensor): ``(R,)`` int64, non-decreasing: row ``r`` belongs to segment
+            ``segment_of_row[r]`` (rows of one segment are consecutive), in ``[0, num_segments)``.
+        num_segments (int): S, the segment table's length (segments without rows get 0 rows).
+
+    Returns:
+        Tuple[Tensor, Tensor]: ``(S,)`` int32 first rows and row counts.
+
+    Example:
+        >>> shared_prefix_segments(torch.tensor([0, 0, 2, 2, 2]), 3)
+        (tensor([0, 2, 2], dtype=torch.int32), tensor([2, 0, 3], dtype=torch.int32))
+    """
+    rows = torch.bincount(segment_of_row, minlength=num_segments)[:num_segments]
+    return (rows.cumsum(0) - rows).to(torch.int32), rows.to(torch.int32)
 
 
 @triton.jit
-def decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, valid_ptr, n_ptr, m_ptr, l_ptr, acc_ptr,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_mb, stride_ml,
-    L, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_DOT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid ``(B, Hkv, NUM_SPLITS)``: the online-softmax partial of columns
-    ``[split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V head.
-
-    Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
-    and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
-    interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9). ``PDL``: launched as a
-    programmatic dependent launch, so it waits for the previous kernel before its first load.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, n)
-    g = tl.arange(0, G_PAD)
+def _attend(q, k_base, v_base, valid_base, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml, start, end, scale,
+            M: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_DOT: tl.constexpr):
+    """The online softmax of the ``M`` queries ``q`` over the valid keys of columns ``[start, end)`` of
+    one cache row: its running max, sum of ``exp(s - max)`` and weighted sum of values (fp32)."""
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    q_ok = ((g < G) & (start + 0 * g < end))[:, None] & d_ok[None, :]  # an empty split loads nothing
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_ok, other=0.0)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
-    valid_base = valid_ptr + b * stride_mb
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D_PAD], tl.float32)
     cols0 = tl.arange(0, BLOCK_N)
     for c in range(start, end, BLOCK_N):
         cols = c + cols0
@@ -137,11 +176,55 @@ def decode_partial_kernel(
             pv = tl.dot(p_in, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if PDL:  # the merge may launch now; it waits for this grid to finish before reading
+    return m_i, l_i, acc
+
+
+@triton.jit
+def decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, valid_ptr, n_ptr, col0_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_mb, stride_ml,
+    L, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, WIDE_DOT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid ``(B, Hkv, splits)``: the online-softmax partial of columns
+    ``[col0 + split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V
+    head, into workspace slot ``SLOT0 + split`` (``col0`` = 0, or the shared prefix's width with
+    ``HAS_PREFIX``: :func:`decode_prefix_kernel` covers the columns before it).
+
+    Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
+    and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
+    interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9). ``PDL``: launched as a
+    programmatic dependent launch, so it waits for the previous kernel before its first load.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
+    col0 = 0
+    if HAS_PREFIX:
+        col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
+    start = col0 + split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, n)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_ok, other=0.0)
+    m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
+                            valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                            start, end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+    if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
         tl.extra.cuda.gdc_launch_dependents()
-    # (B, Hkv, NUM_SPLITS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
+    # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
     # split writes nothing
-    row = ((b * tl.num_programs(1) + h) * NUM_SPLITS + split) * G + g
+    row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + SLOT0 + split) * G + g
     keep = (g < G) & (start + 0 * g < end)
     tl.store(m_ptr + row, m_i, mask=keep)
     tl.store(l_ptr + row, l_i, mask=keep)
@@ -149,41 +232,105 @@ def decode_partial_kernel(
 
 
 @triton.jit
-def decode_merge_kernel(
-    m_ptr, l_ptr, acc_ptr, n_ptr, out_ptr, stride_ob, stride_oh, stride_od, L,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
+def decode_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, valid_ptr, n_ptr, width_ptr, seg_start_ptr, seg_rows_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_mb, stride_ml,
+    L, scale,
+    G: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Grid ``(B, Hkv)``: merges the non-empty split partials of the ``G`` query heads of one K/V
-    head into their outputs (one split's ``(G, D)`` tile at a time)."""
+    """Grid ``(segments, Hkv, prefix splits)``: the partial of prefix columns
+    ``[split * SPLIT_LEN, min(+SPLIT_LEN, width))`` for every query head of every row of one
+    segment (``seg_rows`` consecutive rows from ``seg_start`` that share those columns), read once
+    from the segment's first row: its ``rows x G`` queries are one ``M_PAD``-row operand of the
+    products, so the shared keys and values cost one read per segment, not one per row. Writes
+    workspace slot ``split`` of each of those rows; a segment of 0 rows reads and writes nothing.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    s = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
+    width = tl.minimum(tl.load(width_ptr), n).to(tl.int32)
+    rows = tl.load(seg_rows_ptr + s)
+    r0 = tl.load(seg_start_ptr + s).to(tl.int64)
+    start = split * SPLIT_LEN
+    end = tl.where(rows > 0, tl.minimum(start + SPLIT_LEN, width), start)
+    i = tl.arange(0, M_PAD)
+    r = i // G
+    g = i % G
+    d = tl.arange(0, D_PAD)
+    live = (r < rows) & (start + 0 * i < end)
+    b = r0 + r
+    q = tl.load(q_ptr + b[:, None] * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=live[:, None] & (d < D)[None, :], other=0.0)
+    m_i, l_i, acc = _attend(q, k_ptr + r0 * stride_kb + h * stride_kh, v_ptr + r0 * stride_vb + h * stride_vh,
+                            valid_ptr + r0 * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                            start, end, scale, M_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + split) * G + g
+    tl.store(m_ptr + row, m_i, mask=live)
+    tl.store(l_ptr + row, l_i, mask=live)
+    tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, row, g_ok, d, D_PAD: tl.constexpr):
+    """Folds one slot's partial (rows ``row`` of the workspace) into the running merge."""
+    m = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"))
+    m_new = tl.maximum(m_all, m)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split without a valid key weighs 0
+    w_all = tl.exp(m_all - ref)
+    w = tl.exp(m - ref)
+    l_all = l_all * w_all + tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
+    o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=g_ok[:, None],
+                                     other=0.0) * w[:, None]
+    return m_new, l_all, o
+
+
+@triton.jit
+def decode_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, n_ptr, col0_ptr, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, L,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr, PREFIX_SPLIT_LEN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid ``(B, Hkv)``: merges the non-empty partials of the ``G`` query heads of one K/V head
+    into their outputs (one slot's ``(G, D)`` tile at a time): with ``HAS_PREFIX``, the prefix
+    splits of a row inside a segment (rows below ``covered``), then the splits from ``col0`` on."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
-    used = tl.cdiv(n, SPLIT_LEN)  # the splits past n_filled are empty: not read
+    col0 = 0
+    prefix_used = 0
+    if HAS_PREFIX:
+        col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
+        prefix_used = tl.where(b < tl.load(covered_ptr), tl.cdiv(col0, PREFIX_SPLIT_LEN), 0)
+    used = tl.cdiv(n - col0, SPLIT_LEN)  # the splits past n_filled are empty: not read
     g = tl.arange(0, G_PAD)
+    g_ok = g < G
     d = tl.arange(0, D_PAD)
     m_all = tl.full([G_PAD], float("-inf"), tl.float32)
     l_all = tl.zeros([G_PAD], tl.float32)
     o = tl.zeros([G_PAD, D_PAD], tl.float32)
-    first = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    first = (b * tl.num_programs(1) + h) * NUM_SLOTS
+    for slot in range(0, prefix_used):
+        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + slot) * G + g, g_ok, d, D_PAD)
     for split in range(0, used):
-        row = (first + split) * G + g
-        g_ok = g < G
-        m = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"))
-        m_new = tl.maximum(m_all, m)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split without a valid key weighs 0
-        w_all = tl.exp(m_all - ref)
-        w = tl.exp(m - ref)
-        l_all = l_all * w_all + tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
-        o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=g_ok[:, None],
-                                         other=0.0) * w[:, None]
-        m_all = m_new
+        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + SLOT0 + split) * G + g, g_ok,
+                                      d, D_PAD)
     o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no valid key at all: 0
     heads = h * G + g
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None] & (d < D)[None, :])
+             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < D)[None, :])
 
 
 def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132) -> int:
@@ -237,8 +384,21 @@ def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device
     return max(block_n, default_split_len(rows, kv_heads, length, _num_sms(device)))
 
 
+def prefix_split_len_for(segments: int, kv_heads: int, length: int, device: torch.device) -> int:
+    """The shared-prefix split length when none is given: about one program per SM over a full
+    cache of ``length`` columns, a power of two in ``[MIN_PREFIX_SPLIT, MAX_PREFIX_SPLIT]``.
+
+    Example:
+        >>> prefix_split_len_for(4, 2, 1536, torch.device("cpu"))
+        128
+    """
+    target = segments * kv_heads * length / _num_sms(device)
+    split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
+    return max(MIN_PREFIX_SPLIT, min(MAX_PREFIX_SPLIT, split))
+
+
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
-                               scale: float) -> Tensor:
+                               scale: float, shared_prefix: Optional[SharedPrefix] = None) -> Tensor:
     """The same attention in plain PyTorch (fp32 softmax, shapes independent of ``n_filled``).
 
     Args:
@@ -248,6 +408,9 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tenso
         key_valid (Tensor): ``(B, L)`` bool.
         n_filled (Tensor): ``(1,)`` int64, columns ``0 .. n_filled - 1`` hold keys.
         scale (float): multiplies ``q . k``.
+        shared_prefix (Optional[SharedPrefix]): each segment's rows read their first ``width``
+            columns (keys, values and validity) from the segment's first row; rows outside every
+            segment do not attend to them (reads the segment table on the host: a sync).
 
     Returns:
         Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key.
@@ -258,6 +421,8 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tenso
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     ok = key_valid & (torch.arange(length, device=q.device) < n_filled)  # (B, L)
+    if shared_prefix is not None:
+        k, v, ok = _read_shared_prefix(k, v, ok, shared_prefix)
     keep = ok[:, None, :, None]
     # masked columns may hold anything (NaN included): never let them reach the arithmetic
     k32 = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device)).float()
@@ -267,6 +432,24 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, key_valid: Tenso
     s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row without a valid key: all -inf -> 0
     return torch.einsum("bhgl,bhld->bhgd", p, v32).reshape(b, hq, d).to(q.dtype)
+
+
+def _read_shared_prefix(k: Tensor, v: Tensor, ok: Tensor, prefix: SharedPrefix) -> Tuple[Tensor, Tensor, Tensor]:
+    # The cache each row sees under `prefix`: its first `width` columns from its segment's first row
+    # (or masked, outside every segment).
+    b, length = ok.shape
+    width = min(int(prefix.width), length)
+    source = torch.arange(b, device=ok.device)
+    inside = torch.zeros(b, dtype=torch.bool, device=ok.device)
+    for start, rows in zip(prefix.seg_start.tolist(), prefix.seg_rows.tolist()):
+        source[start:start + rows] = start
+        inside[start:start + rows] = True
+    inside &= torch.arange(b, device=ok.device) < int(prefix.covered)
+    k, v, ok = k.clone(), v.clone(), ok.clone()
+    k[:, :, :width] = k[source, :, :width]
+    v[:, :, :width] = v[source, :, :width]
+    ok[:, :width] = ok[source, :width] & inside[:, None]
+    return k, v, ok
 
 
 def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, split_len: int = 0,
@@ -309,32 +492,45 @@ def supports_programmatic_launch(device: torch.device) -> bool:
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
-            split_len: int, block_n: int, num_warps: int, num_stages: int, pdl: bool) -> Tensor:
+            split_len: int, block_n: int, num_warps: int, num_stages: int, pdl: bool,
+            prefix: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int, int]] = None) -> Tensor:
+    # prefix: (width, seg_start, seg_rows, covered, max_rows, prefix_split_len) of a SharedPrefix
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     group = hq // hkv
     splits = triton.cdiv(length, split_len)
+    prefix_slots = triton.cdiv(length, prefix[5]) if prefix is not None else 0
+    slots = prefix_slots + splits
     g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows at least
     d_pad = max(16, triton.next_power_of_2(d))
-    m = torch.empty(b, hkv, splits, group, dtype=torch.float32, device=q.device)
+    wide = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
+    m = torch.empty(b, hkv, slots, group, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(b, hkv, splits, group, d_pad, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b, hkv, slots, group, d_pad, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+               v.stride(0), v.stride(1), v.stride(2), v.stride(3), key_valid.stride(0), key_valid.stride(1))
+    width = covered = n_filled  # unread without a prefix
+    prefix_split_len = split_len
+    if prefix is not None:
+        width, seg_start, seg_rows, covered, max_rows, prefix_split_len = prefix
+        m_pad = max(16, triton.next_power_of_2(max_rows * group))
+        decode_prefix_kernel[(seg_start.shape[0], hkv, prefix_slots)](
+            q, k, v, key_valid, n_filled, width, seg_start, seg_rows, m, l, acc, *strides, length, scale,
+            G=group, M_PAD=m_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SPLIT_LEN=prefix_split_len,
+            BLOCK_N=min(PREFIX_BLOCK_N, prefix_split_len), WIDE_DOT=wide, PDL=pdl,
+            num_warps=PREFIX_NUM_WARPS if m_pad * d_pad > 64 * 128 else 4, num_stages=num_stages, launch_pdl=pdl,
+        )
     decode_partial_kernel[(b, hkv, splits)](
-        q, k, v, key_valid, n_filled, m, l, acc,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        key_valid.stride(0), key_valid.stride(1),
-        length, scale,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
-        WIDE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()), PDL=pdl,
+        q, k, v, key_valid, n_filled, width, m, l, acc, *strides, length, scale,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
+        BLOCK_N=block_n, HAS_PREFIX=prefix is not None, WIDE_DOT=wide, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     decode_merge_kernel[(b, hkv)](
-        m, l, acc, n_filled, out, out.stride(0), out.stride(1), out.stride(2), length,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SPLITS=splits, SPLIT_LEN=split_len, PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        m, l, acc, n_filled, width, covered, out, out.stride(0), out.stride(1), out.stride(2), length,
+        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
+        PREFIX_SPLIT_LEN=prefix_split_len, HAS_PREFIX=prefix is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 
@@ -352,13 +548,36 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_f
     return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device))
 
 
+@torch.library.custom_op("logitless::decode_attention_shared_prefix", mutates_args=())
+def _decode_attention_shared_prefix_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
+                                       width: Tensor, seg_start: Tensor, seg_rows: Tensor, covered: Tensor,
+                                       max_rows: int, scale: float, split_len: int, block_n: int, num_warps: int,
+                                       num_stages: int, prefix_split_len: int, programmatic: bool) -> Tensor:
+    """:func:`decode_attention` with a :class:`SharedPrefix` given as its fields (launch parameters
+    of 0: the defaults; ``prefix_split_len`` 0: :func:`prefix_split_len`)."""
+    prefix = SharedPrefix(width, seg_start, seg_rows, covered, max_rows)
+    if not (q.is_cuda or _interpreting()):
+        return decode_attention_reference(q, k, v, key_valid, n_filled, scale, shared_prefix=prefix)
+    launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
+    psl = prefix_split_len or prefix_split_len_for(seg_start.shape[0], k.shape[1], k.shape[2], q.device)
+    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
+                   (width, seg_start, seg_rows, covered, max_rows, psl))
+
+
+@_decode_attention_shared_prefix_op.register_fake
+def _(q, k, v, key_valid, n_filled, width, seg_start, seg_rows, covered, max_rows, scale, split_len, block_n,
+      num_warps, num_stages, prefix_split_len, programmatic):
+    return q.new_empty(q.shape)
+
+
 @_decode_attention_op.register_fake
 def _(q, k, v, key_valid, n_filled, scale, split_len, block_n, num_warps, num_stages, programmatic):
     return q.new_empty(q.shape)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, split_len: Optional[int],
-           block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int]) -> None:
+           block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int],
+           shared_prefix: Optional[SharedPrefix] = None) -> None:
     # metadata only: no value of a device tensor is read (no host sync)
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"decode_attention: expected q (B, Hq, D), k and v (B, Hkv, L, D), got q "
@@ -389,12 +608,37 @@ def _check(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
     if num_stages is not None and (not isinstance(num_stages, int) or isinstance(num_stages, bool)
                                    or not 1 <= num_stages <= 8):
         raise ValueError(f"decode_attention: num_stages must be None or an int in [1, 8], got {num_stages!r}")
+    if shared_prefix is not None:
+        _check_prefix(shared_prefix, q, k)
+
+
+def _check_prefix(prefix: SharedPrefix, q: Tensor, k: Tensor) -> None:
+    if not isinstance(prefix, SharedPrefix):
+        raise ValueError(f"decode_attention: shared_prefix must be None or a SharedPrefix, got {type(prefix).__name__}")
+    for name in ("width", "covered"):
+        t = getattr(prefix, name)
+        if not isinstance(t, Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (1,):
+            raise ValueError(f"decode_attention: shared_prefix.{name} must be an int64 tensor of shape (1,), got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    start, rows = prefix.seg_start, prefix.seg_rows
+    if (not isinstance(start, Tensor) or not isinstance(rows, Tensor) or start.dtype != torch.int32
+            or rows.dtype != torch.int32 or start.dim() != 1 or start.shape != rows.shape or start.numel() < 1):
+        raise ValueError(f"decode_attention: shared_prefix.seg_start and seg_rows must be int32 tensors of one shape "
+                         f"(S,), S >= 1, got {getattr(start, 'dtype', None)} {tuple(getattr(start, 'shape', ()))} and "
+                         f"{getattr(rows, 'dtype', None)} {tuple(getattr(rows, 'shape', ()))}")
+    group = q.shape[1] // k.shape[1]
+    if not isinstance(prefix.max_rows, int) or not 1 <= prefix.max_rows * group <= MAX_PREFIX_QUERIES:
+        raise ValueError(f"decode_attention: shared_prefix.max_rows x query heads per K/V head ({group}) must be in "
+                         f"[1, {MAX_PREFIX_QUERIES}], got max_rows={prefix.max_rows!r} (see prefix_rows)")
+    if len({q.device} | {t.device for t in (prefix.width, start, rows, prefix.covered)}) != 1:
+        raise ValueError(f"decode_attention: shared_prefix's tensors must be on q's device {q.device}")
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, *,
                      scale: Optional[float] = None, split_len: Optional[int] = None, block_n: Optional[int] = None,
                      num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                     programmatic_launch: bool = True) -> Tensor:
+                     programmatic_launch: bool = True, shared_prefix: Optional[SharedPrefix] = None,
+                     prefix_split_len: Optional[int] = None) -> Tensor:
     """Attention of one new query token per row with grouped-query heads, split along the cache.
 
     Args:
@@ -416,6 +660,12 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
             :data:`NUM_STAGES`.
         programmatic_launch (bool): launch the kernels as programmatic dependent launches where the
             GPU has them (:func:`supports_programmatic_launch`); same results either way.
+        shared_prefix (Optional[SharedPrefix]): rows that share their first columns (a group's
+            prompt): each segment's shared columns are read once, by one program per split whose
+            query operand is all of the segment's query heads (:func:`decode_prefix_kernel`), the
+            rest of each row as without it. None: every row reads its own columns.
+        prefix_split_len (Optional[int]): shared columns per program (a power of two >= 16); None =
+            :func:`prefix_split_len_for`.
 
     Returns:
         Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key among the
@@ -427,7 +677,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
     Example:
         >>> out = decode_attention(q, k_cache[:8], v_cache[:8], key_valid[:8], n_filled)
     """
-    _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps, num_stages)
+    _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps, num_stages, shared_prefix)
+    if prefix_split_len is not None and (not isinstance(prefix_split_len, int) or prefix_split_len < 16
+                                         or prefix_split_len & (prefix_split_len - 1)):
+        raise ValueError(f"decode_attention: prefix_split_len must be None or a power of two >= 16, got "
+                         f"{prefix_split_len!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n or 0,
-                                                num_warps or 0, num_stages or 0, bool(programmatic_launch))
+    if shared_prefix is None:
+        return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n or 0,
+                                                    num_warps or 0, num_stages or 0, bool(programmatic_launch))
+    return torch.ops.logitless.decode_attention_shared_prefix(
+        q, k, v, key_valid, n_filled, *shared_prefix, scale, split_len or 0, block_n or 0, num_warps or 0,
+        num_stages or 0, prefix_split_len or 0, bool(programmatic_launch))

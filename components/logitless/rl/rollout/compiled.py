@@ -57,6 +57,13 @@ __all__ = ["CompiledSampler", "DECODE_ATTENTION", "generate"]
 
 #: The grouped decode step's attention implementations (``CompiledSampler(decode_attention=...)``).
 DECODE_ATTENTION = ("auto", "sdpa", "split_k")
+#: Where ``shared_prompt_decode=None`` reads each group's prompt once: prompts of at least this many
+#: columns, heads of at least this size and buckets of at least this many rows. On an H200, at 64
+#: rows (4 prompts x 16) and 1024-column prompts, the attention took 0.66-0.83x the per-row
+#: kernel's time at 1.5B and 0.50-0.72x at 7B, from 64 to 512 own columns; it took longer at 16
+#: rows, at head_dim 64 (0.5B), with 128-column prompts and, at 1.5B, with a 512-column prompt
+#: and 512 own columns (``benchmarks/results/decode_attention_shared_h200.csv``).
+SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_HEAD_DIM, SHARED_PROMPT_MIN_ROWS = 1024, 128, 32
 
 
 def _register_decode_attention() -> None:
@@ -115,7 +122,7 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                        col: Optional[torch.Tensor] = None, window=None,
                        qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                       split_k: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
+                       split_k: Optional[Tuple] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -126,9 +133,11 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
     (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
-    n_filled, programmatic_launch)`` (``(B, L)`` bool, ``(1,)`` int64, bool) one new token per row
+    n_filled, programmatic_launch, shared_prefix)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
+    :class:`~logitless.ops.triton.decode_attention.SharedPrefix` or None) one new token per row
     attends through the split-K kernel (:func:`logitless.ops.triton.decode_attention`), which reads
-    the first ``n_filled`` columns of the cache only, instead of SDPA under ``mask``.
+    the first ``n_filled`` columns of the cache only (each group's prompt columns once, with a
+    shared prefix), instead of SDPA under ``mask``.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -158,9 +167,13 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
             k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
     if split_k is not None:
         # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-        key_valid, n_filled, programmatic = split_k
-        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0, 0,
-                                                   programmatic)
+        key_valid, n_filled, programmatic, prefix = split_k
+        if prefix is None:
+            out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
+                                                       0, programmatic)
+        else:
+            out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
+                                                                     dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
         return attn.output_proj(out.reshape(b, s, heads * dim))
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
@@ -175,7 +188,7 @@ def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 col: Optional[torch.Tensor] = None, window=None,
                 fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
-                split_k: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
+                split_k: Optional[Tuple] = None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
     ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
     the split-K attention of :func:`_grouped_attention`)."""
@@ -222,7 +235,7 @@ def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: 
 def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
                  weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
                  columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None,
-                 split_k: bool = False, programmatic_launch: bool = False):
+                 split_k: bool = False, programmatic_launch: bool = False, shared_prompt: int = 0):
     """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
     not an int, so the compiled step is the same graph at every column).
 
@@ -235,7 +248,9 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
     attend through the split-K kernel, whose reads follow the filled columns (``col + 1``, a device
     tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
-    split-K kernels are programmatic dependent launches.
+    split-K kernels are programmatic dependent launches; ``shared_prompt`` (> 0, with ``split_k``):
+    the split-K kernels read each group's prompt columns once, for segments of at most that many
+    rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``.
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -248,7 +263,10 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
         key_valid = key_valid.narrow(1, 0, window)
     mask = key_valid[:, None, :] & (columns <= col)
     # this step's key is written at column col
-    filled = (key_valid, col + 1, programmatic_launch) if split_k else None
+    prefix = None  # else the fields of a decode_attention.SharedPrefix
+    if shared_prompt:
+        prefix = (shared["prompt_width"], shared["seg_start"], shared["seg_rows"], shared["covered"], shared_prompt)
+    filled = (key_valid, col + 1, programmatic_launch, prefix) if split_k else None
 
     def run_layer(index, layer, h):
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
@@ -344,6 +362,17 @@ class CompiledSampler:
             kernels. None (default) = where supported (a CUDA GPU of compute capability 9.0 or later,
             the inductor backend, a torch whose inductor has the option); True where it is not is an
             error. Same results either way.
+        shared_prompt_decode (Optional[bool]): with the split-K decode attention, read each group's
+            prompt columns once per step for all of its G rows (one program per prompt split whose
+            query operand is every query head of the group's rows,
+            :class:`~logitless.ops.triton.decode_attention.SharedPrefix`), instead of once per row:
+            the cache bytes a step reads fall by about ``(G - 1) / G`` of the prompt's share. It
+            follows compaction (a group's live rows stay consecutive). None (default) = where it
+            measured faster: ``num_generations > 1``, a prompt width of at least
+            :data:`SHARED_PROMPT_MIN_WIDTH`, a head_dim of at least :data:`SHARED_PROMPT_MIN_HEAD_DIM`
+            and, per batch bucket, at least :data:`SHARED_PROMPT_MIN_ROWS` rows. True: whenever
+            ``num_generations > 1``; True without the split-K attention is an error. Same results
+            either way.
 
     Example:
         >>> from logitless.models import qwen2_5_tiny
@@ -361,7 +390,8 @@ class CompiledSampler:
                  min_bucket: int = 8, attention_window: Optional[int] = 256,
                  graph_sampling: bool = True, fused_projections: bool = False,
                  prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 decode_attention: str = "auto", programmatic_launch: Optional[bool] = None) -> None:
+                 decode_attention: str = "auto", programmatic_launch: Optional[bool] = None,
+                 shared_prompt_decode: Optional[bool] = None) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -370,6 +400,12 @@ class CompiledSampler:
             raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
         if programmatic_launch is not None and not isinstance(programmatic_launch, bool):
             raise ValueError(f"programmatic_launch must be None, True or False, got {programmatic_launch!r}")
+        if shared_prompt_decode is not None and not isinstance(shared_prompt_decode, bool):
+            raise ValueError(f"shared_prompt_decode must be None, True or False, got {shared_prompt_decode!r}")
+        if shared_prompt_decode and (decode_attention == "sdpa" or not grouped_attention):
+            raise ValueError(f"shared_prompt_decode=True needs the split-K decode attention (decode_attention='split_k' "
+                             f"or 'auto', grouped_attention=True); got decode_attention={decode_attention!r}, "
+                             f"grouped_attention={grouped_attention!r}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if decode_attention == "split_k" and grouped_attention is False:
@@ -397,6 +433,7 @@ class CompiledSampler:
         self.fused_projections = fused_projections
         self.decode_attention = decode_attention
         self.programmatic_launch = programmatic_launch
+        self.shared_prompt_decode = shared_prompt_decode
         self.compaction = compaction
         self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -416,6 +453,26 @@ class CompiledSampler:
             _register_decode_attention()
             return True
         return self.decode_attention == "split_k"
+
+    def uses_shared_prompt(self, model: nn.Module, device: torch.device, num_generations: int, width: int) -> bool:
+        """Whether the decode steps of a call on ``device`` read each group's prompt columns once, in
+        buckets of enough rows (``shared_prompt_decode``; None: see its rule in the class docstring).
+        Needs the split-K attention (:meth:`uses_split_k`).
+
+        Raises:
+            ValueError: ``shared_prompt_decode=True`` where the split-K attention does not run.
+        """
+        if self.shared_prompt_decode is False:
+            return False
+        split_k = self.uses_split_k(device)
+        if self.shared_prompt_decode and not split_k:
+            raise ValueError(f"shared_prompt_decode=True needs the split-K decode attention, which decode_attention="
+                             f"{self.decode_attention!r} does not run on {device} (use 'split_k')")
+        if not (split_k and num_generations > 1):
+            return False
+        head_dim = _attention_modules(model)[0].head_dim
+        return bool(self.shared_prompt_decode) or (width >= SHARED_PROMPT_MIN_WIDTH
+                                                   and head_dim >= SHARED_PROMPT_MIN_HEAD_DIM)
 
     def uses_programmatic_launch(self, device: torch.device) -> bool:
         """Whether the decode step's kernels on ``device`` are programmatic dependent launches
@@ -703,6 +760,10 @@ class CompiledSampler:
         length = state["key"][1]
         split_k = self.uses_split_k(device)
         programmatic = self.uses_programmatic_launch(device)
+        shared_prompt = 0  # rows per segment of a shared prompt (0: none)
+        state["segments"] = None
+        if grouped and self.uses_shared_prompt(model, device, groups, width):
+            shared_prompt = self._prompt_segments(state, model, rows, groups, width)
         windowed = self.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
         bucket = self._bucket(state, rows, views=grouped)
         # every row starts live, in its own slot; token 0 is written at t = 0
@@ -744,8 +805,9 @@ class CompiledSampler:
                 torch._dynamo.mark_static_address(columns)
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
             in_graph = counter and self.graph_sampling
+            big = self.shared_prompt_decode or bucket["done"].shape[0] >= SHARED_PROMPT_MIN_ROWS  # else per row
             logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
-                          fused, split_k, programmatic)
+                          fused, split_k, programmatic, shared_prompt if big else 0)
             if counter and not in_graph:
                 _record(bucket, shared, logits, draw)
                 logits = None
@@ -775,7 +837,46 @@ class CompiledSampler:
         new["tokens"][n:] = pad_id
         new["input_pos"][n:] = 0
         new["key_valid"][n:] = True
+        if state.get("segments") is not None:
+            self._set_segments(state, new["slots"][:n], n)
         return new
+
+    def _prompt_segments(self, state, model: nn.Module, rows: int, groups: int, width: int) -> int:
+        """Sets up the shared-prompt segment table of a call (every group's rows, cut into segments
+        of at most :func:`~logitless.ops.triton.decode_attention.prefix_rows` rows) in ``shared``'s
+        static buffers; returns the rows per segment."""
+        from logitless.ops.triton.decode_attention import prefix_rows
+
+        attn = _attention_modules(model)[0]
+        per = prefix_rows(attn.num_heads // attn.num_kv_heads, groups)
+        count = rows // groups * -(-groups // per)
+        shared = state["shared"]
+        device = shared["col"].device
+        if shared.get("seg_start") is None or shared["seg_start"].shape[0] != count:
+            shared["seg_start"] = torch.zeros(count, dtype=torch.int32, device=device)
+            shared["seg_rows"] = torch.zeros(count, dtype=torch.int32, device=device)
+            shared["prompt_width"] = torch.zeros(1, dtype=torch.long, device=device)
+            shared["covered"] = torch.zeros(1, dtype=torch.long, device=device)
+            for name in ("seg_start", "seg_rows", "prompt_width", "covered"):
+                torch._dynamo.mark_static_address(shared[name])
+        shared["prompt_width"].fill_(width)
+        state["segments"] = (groups, per, count)
+        self._set_segments(state, torch.arange(rows, device=device), rows)
+        return per
+
+    @staticmethod
+    def _set_segments(state, slots: torch.Tensor, live: int) -> None:
+        """Fills the segment table for a bucket whose first ``live`` rows hold the original rows
+        ``slots`` (ascending, so each group's rows stay consecutive); later rows are in none."""
+        from logitless.ops.triton.decode_attention import shared_prefix_segments
+
+        groups, per, count = state["segments"]
+        shared = state["shared"]
+        segment = (slots // groups) * -(-groups // per) + (slots % groups) // per
+        start, rows = shared_prefix_segments(segment, count)
+        shared["seg_start"].copy_(start)
+        shared["seg_rows"].copy_(rows)
+        shared["covered"].fill_(live)
 
 
 _SAMPLERS: "weakref.WeakKeyDictionary[nn.Module, CompiledSampler]" = weakref.WeakKeyDictionary()
