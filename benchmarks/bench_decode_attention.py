@@ -77,13 +77,11 @@ def make_inputs(model, rows, cache_len, device, dtype, prompt_len=0, group=1):
 def shared_prefix(model, rows, prompt_len, group, device):
     """The :class:`~logitless.ops.triton.decode_attention.SharedPrefix` of ``rows // group`` groups
     (each cut into segments of :func:`~logitless.ops.triton.decode_attention.prefix_rows` rows)."""
-    from logitless.ops.triton.decode_attention import SharedPrefix, prefix_rows, shared_prefix_segments
+    from logitless.ops.triton.decode_attention import SharedPrefix, group_segments, prefix_rows
 
     hq, hkv, _ = SHAPES[model]
     per = prefix_rows(hq // hkv, group)
-    row = torch.arange(rows, device=device)
-    count = -(-rows // group) * -(-group // per)
-    start, seg_rows = shared_prefix_segments(row // group * -(-group // per) + row % group // per, count)
+    start, seg_rows = group_segments(torch.arange(rows, device=device), group, per, -(-rows // group))
     return SharedPrefix(torch.tensor([prompt_len], device=device), start, seg_rows,
                         torch.tensor([rows], device=device), per)
 

@@ -67,15 +67,12 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
 def test_shared_prefix_matches_float64_as_well_as_sdpa_at_qwen_shapes(model):
     # 64 rows = 4 prompts x 16 completions, 1024 prompt columns; rows past the first of a group hold
     # NaN there (never read); the last 4 rows are compaction's fillers, outside every segment
-    from logitless.ops.triton.decode_attention import SharedPrefix, decode_attention, prefix_rows, \
-        shared_prefix_segments
+    from logitless.ops.triton.decode_attention import SharedPrefix, decode_attention, group_segments, prefix_rows
 
     hq, hkv, dim = SHAPES[model]
     rows, group, width, covered = 64, 16, 1024, 60
     per = prefix_rows(hq // hkv, group)
-    row = torch.arange(covered, device="cuda")
-    start, seg_rows = shared_prefix_segments(row // group * -(-group // per) + row % group // per,
-                                             rows // group * -(-group // per))
+    start, seg_rows = group_segments(torch.arange(covered, device="cuda"), group, per, rows // group)
     prefix = SharedPrefix(torch.tensor([width], device="cuda"), start, seg_rows, torch.tensor([covered], device="cuda"),
                           per)
     leader = torch.arange(rows, device="cuda") // group * group

@@ -58,7 +58,7 @@ from torch import Tensor
 from logitless.ops.dispatch import _interpreting
 
 __all__ = ["SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
-           "prefix_rows", "prefix_split_len_for", "resolve_launch", "shared_prefix_segments",
+           "group_segments", "prefix_rows", "prefix_split_len_for", "resolve_launch", "shared_prefix_segments",
            "supports_programmatic_launch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -138,6 +138,28 @@ def shared_prefix_segments(segment_of_row: Tensor, num_segments: int) -> Tuple[T
     """
     rows = torch.bincount(segment_of_row, minlength=num_segments)[:num_segments]
     return (rows.cumsum(0) - rows).to(torch.int32), rows.to(torch.int32)
+
+
+def group_segments(rows: Tensor, group_size: int, rows_per_segment: int,
+                   num_groups: int) -> Tuple[Tensor, Tensor]:
+    """``(seg_start, seg_rows)`` of a batch whose row ``r`` is row ``rows[r]`` of ``num_groups``
+    groups of ``group_size`` consecutive rows, each group cut into segments of ``rows_per_segment``
+    (:func:`prefix_rows`); a segment without rows left (compacted away) gets 0 rows.
+
+    Args:
+        rows (Tensor): ``(R,)`` int64, ascending: the original row of each row of the batch.
+        group_size (int): G. rows_per_segment (int): rows per segment at most. num_groups (int): P.
+
+    Returns:
+        Tuple[Tensor, Tensor]: ``(P * ceil(G / rows_per_segment),)`` int32 first rows and row counts.
+
+    Example:
+        >>> group_segments(torch.tensor([0, 2, 3, 4]), 4, 2, 2)
+        (tensor([0, 1, 3, 4], dtype=torch.int32), tensor([1, 2, 1, 0], dtype=torch.int32))
+    """
+    per_group = -(-group_size // rows_per_segment)
+    segment = rows // group_size * per_group + rows % group_size // rows_per_segment
+    return shared_prefix_segments(segment, num_groups * per_group)
 
 
 @triton.jit

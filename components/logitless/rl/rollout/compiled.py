@@ -849,9 +849,9 @@ class CompiledSampler:
 
         attn = _attention_modules(model)[0]
         per = prefix_rows(attn.num_heads // attn.num_kv_heads, groups)
-        count = rows // groups * -(-groups // per)
         shared = state["shared"]
         device = shared["col"].device
+        count = rows // groups * -(-groups // per)  # segments of group_segments' table
         if shared.get("seg_start") is None or shared["seg_start"].shape[0] != count:
             shared["seg_start"] = torch.zeros(count, dtype=torch.int32, device=device)
             shared["seg_rows"] = torch.zeros(count, dtype=torch.int32, device=device)
@@ -868,12 +868,12 @@ class CompiledSampler:
     def _set_segments(state, slots: torch.Tensor, live: int) -> None:
         """Fills the segment table for a bucket whose first ``live`` rows hold the original rows
         ``slots`` (ascending, so each group's rows stay consecutive); later rows are in none."""
-        from logitless.ops.triton.decode_attention import shared_prefix_segments
+        from logitless.ops.triton.decode_attention import group_segments
 
         groups, per, count = state["segments"]
         shared = state["shared"]
-        segment = (slots // groups) * -(-groups // per) + (slots % groups) // per
-        start, rows = shared_prefix_segments(segment, count)
+        num_groups = count // -(-groups // per)
+        start, rows = group_segments(slots, groups, per, num_groups)
         shared["seg_start"].copy_(start)
         shared["seg_rows"].copy_(rows)
         shared["covered"].fill_(live)
