@@ -13,7 +13,8 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   ``training.compile_loss`` compiles the per-chunk upcast + loss, the chunk GEMMs stay eager),
   ``chunked`` / ``triton`` (``logitless`` ``impl=``; in ``obj``, ``linear_token_objective``:
   gradients in the forward), ``triton_fused`` (the one-pass 3-GEMM path of cross-entropy and
-  ``obj`` forced at every size), ``triton_hgemm`` / ``triton_fused_hgemm`` (``triton`` /
+  ``obj`` forced at every size, dW rounded once per row chunk), ``triton_twopass`` (the 4-GEMM path
+  forced), ``triton_hgemm`` / ``triton_fused_hgemm`` (``triton`` /
   ``triton_fused`` with ``LOGITLESS_HEAD_GEMM=triton``: the Triton GEMMs with their epilogues
   inside, forward and backward), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
   objective in torch, forward + recomputing backward), ``liger`` (Liger-Kernel fused linear CE),
@@ -64,8 +65,8 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "qwen05b": (16384, 896, 151936),
     "long": (32768, 3584, 152064),
 }
-IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_hgemm",
-         "triton_fused_hgemm", "triton_unfused", "liger", "cce"]
+IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_twopass",
+         "triton_hgemm", "triton_fused_hgemm", "triton_unfused", "liger", "cce"]
 MODES = ["ce", "logp", "fwd", "obj"]
 IGN = -100
 # The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
@@ -194,20 +195,27 @@ def build(impl, mode):
         if impl == "tt_compiled":  # torchtune.training.compile_loss: only the per-chunk loss
             chunk = torch.compile(chunk)
         return _tt_ce_of(chunk) if mode == "ce" else _tt_logp_of(chunk)
-    if impl == "triton_fused":
-        # The one-pass 3-GEMM path of cross-entropy / the objective forced at any size (the default
-        # switches to two passes when dW would be rounded in more than FUSED_MAX_CHUNKS row chunks).
+    if impl in ("triton_fused", "triton_twopass"):
+        # triton_fused: the one-pass 3-GEMM path of cross-entropy / the objective forced at any
+        # size, without pinned label columns (dW rounded once per row chunk); triton_twopass: the
+        # 4-GEMM path forced. The default (`triton`) pins the label columns where they fit.
         if mode not in ("ce", "obj"):
             return "n/a: same as triton"
         from logitless.ops.triton import head
 
+        forced = ({"FUSED_MAX_CHUNKS": 1 << 30, "PINNED_BYTES": 0} if impl == "triton_fused"
+                  else {"FUSED_MAX_CHUNKS": 0, "PINNED_MAX_CHUNKS": 0})
+
         def fused(h, w, y, *consts):
-            saved, head.FUSED_MAX_CHUNKS = head.FUSED_MAX_CHUNKS, 1 << 30
+            saved = {k: getattr(head, k) for k in forced}
+            for k, v in forced.items():
+                setattr(head, k, v)
             try:
                 return (_linear_obj(h, w, y, *consts, "triton") if mode == "obj"
                         else logitless.linear_cross_entropy(h, w, y, impl="triton"))
             finally:
-                head.FUSED_MAX_CHUNKS = saved
+                for k, v in saved.items():
+                    setattr(head, k, v)
 
         return fused
     if impl == "triton_unfused":

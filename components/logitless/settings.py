@@ -106,6 +106,16 @@ KNOBS: Dict[str, Knob] = {
         "Cross-entropy and token objectives take the one-pass 3-GEMM path while the valid rows fit "
         "in at most this many chunks; above it the 4-GEMM path, whose dW is rounded once per row "
         "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
+    "triton_pinned_mb": Knob(
+        "LOGITLESS_TRITON_PINNED_MB", 128, _non_negative_int,
+        "MiB for the fp32 dW rows of the labels of a one-pass cross-entropy or token objective "
+        "(pinned label columns): their dW, where a chunk's gradient is largest, is accumulated "
+        "in fp32 and rounded once, so the one pass keeps plain PyTorch's dW accuracy over many "
+        "chunks. Used while min(valid rows, V) x H x 4 bytes fit and H >= 2048; 0 turns it off."),
+    "triton_pinned_max_chunks": Knob(
+        "LOGITLESS_TRITON_PINNED_MAX_CHUNKS", 48, _non_negative_int,
+        "With pinned label columns, the one-pass 3-GEMM path runs up to this many row chunks (the "
+        "other dW rows are still rounded once per chunk); above it, the 4-GEMM path."),
     "triton_cache_first_block": Knob(
         "LOGITLESS_TRITON_CACHE_FIRST_BLOCK", False, _flag,
         "One-pass CE keeps its first row block's logits in dW's still-unwritten buffer: fewer "

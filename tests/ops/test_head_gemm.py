@@ -116,7 +116,7 @@ def test_knob_on_equals_knob_off(monkeypatch, launches, n, h, v, dtype):
     g = torch.Generator().manual_seed(3)
     g1, g2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for mode_kwargs in ({"FUSED_MAX_CHUNKS": 0}, {"FUSED_MAX_CHUNKS": 1000}):
+    for mode_kwargs in ({"FUSED_MAX_CHUNKS": 0, "PINNED_MAX_CHUNKS": 0}, {"FUSED_MAX_CHUNKS": 1000}):
         for k, val in mode_kwargs.items():
             monkeypatch.setattr(head, k, val)
         outs = {}
@@ -166,6 +166,7 @@ def test_ignored_rows_with_nan_hidden(monkeypatch, launches, compact):
     for t in (logp, ent):
         assert torch.isfinite(t).all() and (t[labels == IGN] == 0).all()
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 0)
+    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 0)
     loss, dh, dw = _cross_entropy_and_grads(hidden, weight, labels, 0.9)
     ref = reference.cross_entropy(h64.nan_to_num(0.0), w64, labels.cpu(), ignore_index=IGN, temperature=0.9)
     ref.backward()
@@ -224,6 +225,7 @@ def test_token_objective_knob_on_equals_knob_off(monkeypatch, launches):
 
     for max_chunks in (0, 1000):
         monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", max_chunks)
+        monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", max_chunks)
         outs = {}
         for mode in ("cublas", "triton"):
             monkeypatch.setenv("LOGITLESS_HEAD_GEMM", mode)

@@ -31,10 +31,17 @@ def _small_tiles(monkeypatch):
     monkeypatch.setattr(head, "MIN_SLAB", 32)
 
 
-@pytest.fixture(params=[1000, 0], ids=["fused", "twopass"])
+@pytest.fixture(params=["pinned", "fused", "twopass"])
 def ce_path(monkeypatch, request):
-    # 1000: the one-pass 3-GEMM cross-entropy; 0: the two-pass slab path (forward + backward).
-    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", request.param)
+    # The one-pass 3-GEMM cross-entropy with its label columns' dW rows pinned in fp32 (the
+    # default where they fit) and without; the two-pass slab path (forward + backward).
+    one_pass = request.param != "twopass"
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 1000 if one_pass else 0)
+    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 1000 if one_pass else 0)
+    if request.param == "fused":
+        monkeypatch.setattr(head, "PINNED_BYTES", 0)
+    else:
+        monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 0)  # the tests' heads are narrow
     return request.param
 
 
@@ -223,16 +230,19 @@ def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
     assert _rel(hidden.grad, h64.grad) < TOL
 
 
-@pytest.mark.parametrize("n, ignore_frac, reduction, temperature", [
-    (40, 0.2, "mean", 1.0),   # compacted rows: a 16-row cached block, then 8-row chunks
-    (40, 0.0, "sum", 0.7),    # no ignored row
-    (14, 0.0, "mean", 1.3),   # every row fits in the cached block
+@pytest.mark.parametrize("n, ignore_frac, reduction, temperature, pinned", [
+    (40, 0.2, "mean", 1.0, False),  # compacted rows: a 16-row cached block, then 8-row chunks
+    (40, 0.2, "mean", 1.0, True),   # the same with pinned label columns, started from the block's dW
+    (40, 0.0, "sum", 0.7, False),   # no ignored row
+    (14, 0.0, "mean", 1.3, False),  # every row fits in the cached block
 ])
-def test_one_pass_ce_with_the_first_block_cached_in_dw(monkeypatch, n, ignore_frac, reduction, temperature):
+def test_one_pass_ce_with_the_first_block_cached_in_dw(monkeypatch, n, ignore_frac, reduction, temperature,
+                                                       pinned):
     # The first block's logits live (transposed) in dW's unwritten buffer: pass 1 takes the
     # statistics, pass 2 walks V slabs from the end writing dW over the consumed logits. Its
     # results equal float64, and those of the uncached one-pass path.
     monkeypatch.setattr(head, "WORKSPACE_BYTES", 8 * 65 * 4)  # 8-row chunks of V = 65 (fp32)
+    monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 0 if pinned else 1 << 30)
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 1000)
     monkeypatch.setattr(head, "CACHED_SLAB", 24)  # several V slabs in the statistics pass
     monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", True)
@@ -260,6 +270,29 @@ def test_one_pass_ce_with_the_first_block_cached_in_dw(monkeypatch, n, ignore_fr
     assert used == [min(valid, 16)]  # not called again
     for a, b in zip(got, (uncached.detach(), hidden.grad, weight.grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pinned_columns_rule(monkeypatch):
+    # Pinned only where every label fits the fp32 budget, dW is rounded more than once and the
+    # head is wide enough; with pins the one pass runs up to PINNED_MAX_CHUNKS, else FUSED_MAX_CHUNKS.
+    monkeypatch.setattr(head, "PINNED_BYTES", 128 << 20)
+    monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 2048)
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 8)
+    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 48)
+    assert head.pinned_columns(8192, 152064, 3584, 11) == 8192          # 117 MB <= 128 MiB
+    assert head.pinned_columns(8192, 128256, 4096, 11) == 8192          # exactly 128 MiB
+    assert head.pinned_columns(8193, 128256, 4096, 11) == 0             # one row over the budget
+    assert head.pinned_columns(100, 50, 4096, 11) == 50                 # at most V distinct labels
+    assert head.pinned_columns(8192, 152064, 3584, 1) == 0              # one chunk: one rounding
+    assert head.pinned_columns(16384, 151936, 896, 22) == 0             # narrow head: two passes win
+    shape = (152064, 3584)
+    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True) == 8192
+    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False) == 0
+    assert head.one_pass_pins(40000, 768, 0, shape, need_dw=True) == -1  # 470 MB of pins, 53 chunks
+    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 6000  # 8 chunks, pinned
+    monkeypatch.setattr(head, "PINNED_BYTES", 0)
+    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 0    # 8 chunks, unpinned
+    assert head.one_pass_pins(6200, 768, 0, shape, need_dw=True) == -1   # 9 chunks
 
 
 def test_cached_block_without_dh(monkeypatch):

@@ -14,7 +14,8 @@ forward plus a recomputing backward (four). Backward only scales dh and dW by th
 Paths and workspace are those of :func:`logitless.ops.triton.head.ce_fused`: ignored rows are
 compacted away first; row chunks of full-V logits fit ``head.WORKSPACE_BYTES``; when the valid
 rows need more than ``head.FUSED_MAX_CHUNKS`` chunks (dW would be rounded to the
-input dtype once per chunk; and each chunk calls the Python objective), it falls back to the slab
+input dtype once per chunk; and each chunk calls the Python objective; pinned label columns,
+``head.PinnedColumns``, make the chunks it does take as accurate as two passes), it falls back to the slab
 forward + slab backward (4 GEMMs, dW rounded once per row block of thousands of rows); without
 gradients only the forward-only slab pass runs (1 GEMM).
 
@@ -84,7 +85,10 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     # Unlike cross-entropy, a frozen head (no dW) does not switch this to one pass at any chunk
     # count: each chunk calls the Python objective, which made the one pass host-bound at many
     # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
-    if not need_grad or (cached > 0) + -(-(rows - cached) // n_c) > head.FUSED_MAX_CHUNKS:
+    chunks = (cached > 0) + -(-(rows - cached) // n_c)
+    # Pinned label columns make the one pass as accurate as the two; they do not lengthen it here.
+    pin = head.pinned_columns(rows, vocab, weight.shape[1], chunks) if need_dw else 0
+    if not need_grad or chunks > head.FUSED_MAX_CHUNKS:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
         logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t, need_grad)
@@ -113,6 +117,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
+    pinned = head.start_pins(labels, idx, ignore_index, pin, weight.shape, n_c, dw, cached)
     ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
@@ -126,7 +131,9 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
         head._dlogits(ch, logits, idx_c, start, labels, lse, ent if b is not None else None,
                       glp, gent if b is not None else None, None, inv_t, ignore_index)
         head._grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
-                    i == 0 and not cached)
+                    i == 0 and not cached, pinned)
+    if pinned is not None:
+        pinned.finish(dw)
     return total, logp, ent, dh, dw
 
 
