@@ -108,10 +108,11 @@ KNOBS: Dict[str, Knob] = {
         "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
     "triton_pinned_mb": Knob(
         "LOGITLESS_TRITON_PINNED_MB", 128, _non_negative_int,
-        "MiB for the fp32 dW rows of the labels of a one-pass cross-entropy or token objective "
-        "(pinned label columns): their dW, where a chunk's gradient is largest, is accumulated "
-        "in fp32 and rounded once, so the one pass keeps plain PyTorch's dW accuracy over many "
-        "chunks. Used while min(valid rows, V) x H x 4 bytes fit and H >= 2048; 0 turns it off."),
+        "MiB for the dlogits at the label columns of a one-pass cross-entropy or token objective "
+        "(pinned label columns): their dW rows, where a chunk's gradient is largest, come from one "
+        "GEMM over every row after the last chunk, rounded once, so the one pass keeps plain "
+        "PyTorch's dW accuracy over many chunks. Used while valid rows x min(valid rows, V) "
+        "elements fit, H >= 2048 and no first block is cached; 0 turns it off."),
     "triton_pinned_max_chunks": Knob(
         "LOGITLESS_TRITON_PINNED_MAX_CHUNKS", 48, _non_negative_int,
         "With pinned label columns, the one-pass 3-GEMM path runs up to this many row chunks (the "

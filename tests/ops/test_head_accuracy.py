@@ -225,8 +225,13 @@ def test_one_pass_cross_entropy_at_many_chunks_within_plain_pytorch(monkeypatch)
     monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 1000)
     monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 0)
     pins = []
-    start_pins = head.start_pins
-    monkeypatch.setattr(head, "start_pins", lambda *a: pins.append(a[3]) or start_pins(*a))
+
+    class Recorded(head.PinnedColumns):
+        def __init__(self, *args):
+            pins.append(args[3])
+            super().__init__(*args)
+
+    monkeypatch.setattr(head, "PinnedColumns", Recorded)
     temperature = 0.8
 
     def triton(hh, ww, y):

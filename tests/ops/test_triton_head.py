@@ -232,7 +232,7 @@ def test_frozen_head_weight_takes_the_one_pass_at_any_chunk_count(monkeypatch):
 
 @pytest.mark.parametrize("n, ignore_frac, reduction, temperature, pinned", [
     (40, 0.2, "mean", 1.0, False),  # compacted rows: a 16-row cached block, then 8-row chunks
-    (40, 0.2, "mean", 1.0, True),   # the same with pinned label columns, started from the block's dW
+    (40, 0.2, "mean", 1.0, True),   # the same where label columns could be pinned: not with a cached block
     (40, 0.0, "sum", 0.7, False),   # no ignored row
     (14, 0.0, "mean", 1.3, False),  # every row fits in the cached block
 ])
@@ -273,22 +273,24 @@ def test_one_pass_ce_with_the_first_block_cached_in_dw(monkeypatch, n, ignore_fr
 
 
 def test_pinned_columns_rule(monkeypatch):
-    # Pinned only where every label fits the fp32 budget, dW is rounded more than once and the
-    # head is wide enough; with pins the one pass runs up to PINNED_MAX_CHUNKS, else FUSED_MAX_CHUNKS.
+    # Pinned only where the (rows, min(rows, V)) dlogits fit the budget, dW is rounded more than
+    # once, the head is wide enough and no first block is cached; with pins the one pass runs up to
+    # PINNED_MAX_CHUNKS chunks, else FUSED_MAX_CHUNKS.
     monkeypatch.setattr(head, "PINNED_BYTES", 128 << 20)
     monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 2048)
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 8)
     monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 48)
-    assert head.pinned_columns(8192, 152064, 3584, 11) == 8192          # 117 MB <= 128 MiB
-    assert head.pinned_columns(8192, 128256, 4096, 11) == 8192          # exactly 128 MiB
-    assert head.pinned_columns(8193, 128256, 4096, 11) == 0             # one row over the budget
-    assert head.pinned_columns(100, 50, 4096, 11) == 50                 # at most V distinct labels
-    assert head.pinned_columns(8192, 152064, 3584, 1) == 0              # one chunk: one rounding
-    assert head.pinned_columns(16384, 151936, 896, 22) == 0             # narrow head: two passes win
+    assert head.pinned_columns(8192, 152064, 3584, 11, 2) == 8192       # exactly 128 MiB of bf16
+    assert head.pinned_columns(8193, 152064, 3584, 11, 2) == 0          # one row over the budget
+    assert head.pinned_columns(8192, 152064, 3584, 11, 4) == 0          # fp32 dlogits: twice the bytes
+    assert head.pinned_columns(100, 50, 4096, 11, 2) == 50              # at most V distinct labels
+    assert head.pinned_columns(8192, 152064, 3584, 1, 2) == 0           # one chunk: one rounding
+    assert head.pinned_columns(8192, 151936, 896, 11, 2) == 0           # narrow head: two passes win
     shape = (152064, 3584)
     assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True) == 8192
     assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False) == 0
-    assert head.one_pass_pins(40000, 768, 0, shape, need_dw=True) == -1  # 470 MB of pins, 53 chunks
+    assert head.one_pass_pins(8192, 768, 3584, shape, need_dw=True) == 0   # cached block: no pins, 1 + 6 chunks
+    assert head.one_pass_pins(12000, 768, 0, shape, need_dw=True) == -1  # 275 MB of pins, 16 chunks
     assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 6000  # 8 chunks, pinned
     monkeypatch.setattr(head, "PINNED_BYTES", 0)
     assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 0    # 8 chunks, unpinned

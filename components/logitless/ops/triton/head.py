@@ -15,11 +15,12 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
   frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
-  chunk). On heads of ``PIN_MIN_HIDDEN`` and wider, when the fp32 dW rows of every label fit
-  ``PINNED_BYTES``, the one pass also runs past that (up to ``PINNED_MAX_CHUNKS`` chunks) with the
-  label columns pinned (``PinnedColumns``): each chunk moves its dlogits at those columns out
-  (``take_columns_kernel``) into an fp32-output GEMM, so the dW rows that carry most of dW's norm
-  are rounded once, as plain PyTorch's, and the rest once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
+  chunk). On heads of ``PIN_MIN_HIDDEN`` and wider, when the dlogits of every row at every label
+  column fit ``PINNED_BYTES``, the one pass also runs past that (up to ``PINNED_MAX_CHUNKS``
+  chunks) with the label columns pinned (``PinnedColumns``): each chunk moves its dlogits at those
+  columns out (``take_columns_kernel``), and one GEMM over all rows after the last chunk writes
+  their dW rows, which carry most of dW's norm: rounded once, as plain PyTorch's; the rest of dW
+  once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
   block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
   (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
   dW once, so fewer chunks follow (7B head, 8192 rows: 1 + 6 instead of 11). Otherwise the
@@ -66,15 +67,15 @@ FORWARD_WORKSPACE_BYTES = settings.triton_forward_workspace_mb << 20
 #: Cross-entropy with a scalar upstream uses the one-pass, 3-GEMM path when the valid rows fit in
 #: at most this many row chunks (dW is rounded once per chunk), else the 2-pass, 4-GEMM path.
 FUSED_MAX_CHUNKS = settings.triton_fused_max_chunks
-#: Bytes of the fp32 dW rows of pinned label columns (``PinnedColumns``); 0: never pinned.
+#: Bytes of the ``(valid rows, k)`` dlogits of pinned label columns (``PinnedColumns``); 0: never pinned.
 PINNED_BYTES = settings.triton_pinned_mb << 20
 #: With pinned label columns, the one pass runs up to this many row chunks.
 PINNED_MAX_CHUNKS = settings.triton_pinned_max_chunks
 #: Label columns are pinned only for heads at least this wide. Moving k of V columns out of a
 #: chunk costs about k/V of a pass over the chunk's dlogits, whatever H; the second GEMM pass it
-#: replaces costs H. Measured on an H200 (benchmarks/results/head_pinned_h200.csv, 10% ignored
-#: labels): 7B (H 3584) 3.86 GEMMs against 4.23 for two passes, 8B (4096) 3.91 against 4.03,
-#: 0.5B (896) 4.98 against 4.79.
+#: replaces costs H. Measured on an H200 (benchmarks/results/head_pinned_h200.csv and
+#: docs/performance.md, 10% ignored labels): 7B (H 3584) 3.58 GEMMs against 4.24 for two passes,
+#: 8B (4096) 3.62 against 4.05; at 0.5B (896) an earlier version measured 4.89-4.98 against 4.79.
 PIN_MIN_HIDDEN = 2048
 #: Pinned columns per program of ``take_columns_kernel``.
 TAKE_BLOCK = 256
@@ -248,7 +249,7 @@ def _grads(ch, logits, h_c, idx_c, start, dh, dw, first, pin=None):
             dh.index_copy_(0, idx_c, torch.matmul(logits, ch.weight))
     if dw is not None:
         if pin is not None:
-            pin.take(logits, h_c, first)
+            pin.take(logits, start)
         _dw_update(dw, logits, h_c, ch.weight, first)
 
 
@@ -263,79 +264,73 @@ def _dw_update(dw_slab, dl, h_b, weight, first):
         dw_slab.addmm_(dl.t(), h_b)
 
 
-def pinned_columns(rows: int, vocab: int, hid: int, chunks: int) -> int:
+def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) -> int:
     """How many label columns a one-pass call pins (0: none), from host-known sizes only.
 
     At most ``min(rows, vocab)`` distinct labels occur, so pinning that many covers every label
-    without a host read of the labels; it is done when their fp32 dW rows fit ``PINNED_BYTES``,
-    dW is rounded more than once (two or more chunks) and the head is at least
+    without a host read of the labels; it is done when their ``(rows, k)`` dlogits fit
+    ``PINNED_BYTES``, dW is rounded more than once (two or more chunks) and the head is at least
     ``PIN_MIN_HIDDEN`` wide (narrower heads run two passes faster).
 
     Args:
         rows (int): valid rows. vocab (int): V. hid (int): H. chunks (int): row chunks of the pass.
+        itemsize (int): bytes per element of the inputs.
 
     Returns:
         int: label columns to pin.
 
     Example:
-        >>> pinned_columns(8192, 152064, 3584, 11)  # 117 MB of fp32 rows, within 128 MiB
-        8192
+        >>> pinned_columns(7373, 152064, 3584, 10, 2)  # 109 MB of bf16 dlogits, within 128 MiB
+        7373
     """
     k = min(rows, vocab)
-    if chunks < 2 or k == 0 or hid < PIN_MIN_HIDDEN or k * hid * 4 > PINNED_BYTES:
+    if chunks < 2 or k == 0 or hid < PIN_MIN_HIDDEN or rows * k * itemsize > PINNED_BYTES:
         return 0
     return k
 
 
 class PinnedColumns:
-    """The dW rows of the most frequent labels, accumulated in fp32 across the one pass's chunks.
+    """The dlogits of a one pass at its labels' columns, kept for one dW GEMM over every row.
 
     A chunk's gradient ``p - onehot`` is largest at its labels' columns, so their dW rows carry
     most of dW's norm (all but ~0.3% of it for Gaussian logits; ~60% for peaked ones). Rounding
     those rows to bf16 after every chunk is what made the one pass less accurate than plain
-    PyTorch. Here each chunk moves its dlogits at the pinned columns into a small ``(rows, k)``
-    buffer and zeroes them in place, so the bf16 ``dW += dl.T @ h`` adds exact zeros to those rows,
-    and ``acc += dl_k.T @ h`` (fp32 output) carries them; :meth:`finish` rounds them into dW once.
+    PyTorch. Here each chunk moves its dlogits at the pinned columns into its rows of a
+    ``(valid rows, k)`` buffer and zeroes them in place, so the chunk's bf16 ``dW += dl.T @ h`` adds
+    exact zeros to those dW rows; :meth:`finish` computes them with one GEMM over all the rows
+    (fp32 accumulation, one rounding: plain PyTorch's).
 
     Args:
         labels (torch.Tensor): ``(N,)`` int64. idx (Optional[torch.Tensor]): the valid rows (or None).
         ignore_index (int). k (int): columns to pin (:func:`pinned_columns`).
-        hid (int): H. vocab (int): V. chunk_rows (int): rows per chunk.
+        rows (int): valid rows. vocab (int): V. like (torch.Tensor): a tensor of the inputs' dtype.
 
     Example:
-        >>> pin = PinnedColumns(labels, idx, -100, k, hid, vocab, n_c)
-        >>> pin.take(dl, h_c, first=True)   # after the dh GEMM, before the dW GEMM
-        >>> pin.finish(dw)
+        >>> pin = PinnedColumns(labels, idx, -100, k, rows, vocab, hidden)
+        >>> pin.take(dl, start)        # each chunk, after the dh GEMM, before the dW GEMM
+        >>> pin.finish(dw, hidden, idx)
     """
 
-    def __init__(self, labels, idx, ignore_index, k, hid, vocab, chunk_rows):
+    def __init__(self, labels, idx, ignore_index, k, rows, vocab, like):
         y = labels if idx is None else labels.index_select(0, idx)
         # Counts over V + 1 bins, ignored labels in the last: no host sync, no index out of range.
         counts = torch.zeros(vocab + 1, dtype=torch.int32, device=labels.device)
         counts.scatter_add_(0, torch.where(y == ignore_index, vocab, y), torch.ones_like(y, dtype=torch.int32))
         self.cols = torch.topk(counts[:vocab], k, sorted=False).indices.sort().values
-        self.acc = labels.new_empty((k, hid), dtype=torch.float32)
-        self._dl = None
-        self._chunk_rows = chunk_rows
+        # Rows 16-byte aligned: cuBLAS reads an unaligned operand with a far slower kernel.
+        self.dl = like.new_empty((rows, -(-k // 8) * 8))[:, :k]
 
-    def start_from(self, dw: torch.Tensor) -> None:
-        """Takes the pinned rows of an already written dW (the cached first block) as the start."""
-        self.acc.copy_(dw.index_select(0, self.cols))
-        dw.index_fill_(0, self.cols, 0)
-
-    def take(self, dl: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
-        """Moves ``dl``'s pinned columns out (zeroed in place) and accumulates their dW rows."""
-        if self._dl is None:
-            self._dl = dl.new_empty((self._chunk_rows, self.cols.numel()))
+    def take(self, dl: torch.Tensor, start: int) -> None:
+        """Moves ``dl``'s pinned columns (the chunk of valid rows from ``start``) out, zeroed in place."""
         rows, k = dl.shape[0], self.cols.numel()
-        dl_k = self._dl[:rows]
         kernels.take_columns_kernel[(rows, triton_cdiv(k, TAKE_BLOCK))](
-            dl, dl.stride(0), self.cols, dl_k, k, BLOCK=TAKE_BLOCK, num_warps=4)
-        _acc32(self.acc, dl_k.t(), h_c, first)
+            dl, dl.stride(0), self.cols, self.dl[start : start + rows], self.dl.stride(0), k,
+            BLOCK=TAKE_BLOCK, num_warps=4)
 
-    def finish(self, dw: torch.Tensor) -> None:
-        """Rounds the pinned rows into ``dw`` once."""
-        dw.index_copy_(0, self.cols, self.acc.to(dw.dtype))
+    def finish(self, dw: torch.Tensor, hidden: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
+        """``dw[cols] = dl_k.T @ h`` over every valid row of ``hidden`` (compacted by ``idx``)."""
+        h = hidden if idx is None else hidden.index_select(0, idx)
+        dw.index_copy_(0, self.cols, torch.matmul(self.dl.t(), h))
 
 
 def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -711,15 +706,17 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
     return tuple(out)
 
 
-def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool) -> int:
+def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool, itemsize: int = 2) -> int:
     """Whether a scalar-upstream call runs in one pass, and with how many pinned label columns.
 
     One pass when dW is not wanted, or the valid rows fit ``FUSED_MAX_CHUNKS`` chunks, or label
-    columns can be pinned (:func:`pinned_columns`) and they fit ``PINNED_MAX_CHUNKS``.
+    columns can be pinned (:func:`pinned_columns`; not with a cached first block, whose dW rows
+    are written before the chunks) and they fit ``PINNED_MAX_CHUNKS``.
 
     Args:
         rows (int): valid rows. n_c (int): rows per chunk. cached (int): rows of the cached first
             block (:func:`cached_block_rows`). weight_shape: ``(V, H)``. need_dw (bool).
+        itemsize (int): bytes per element of the inputs.
 
     Returns:
         int: -1 for the two-pass path, else the columns to pin (0: none).
@@ -728,22 +725,10 @@ def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool)
         return 0
     vocab, hid = weight_shape
     chunks = (cached > 0) + -(-(rows - cached) // n_c)
-    k = pinned_columns(rows, vocab, hid, chunks)
+    k = 0 if cached else pinned_columns(rows, vocab, hid, chunks, itemsize)
     if k and chunks <= PINNED_MAX_CHUNKS:
         return k
     return 0 if chunks <= FUSED_MAX_CHUNKS else -1
-
-
-def start_pins(labels, idx, ignore_index: int, k: int, weight_shape, n_c: int, dw, cached: int):
-    """A :class:`PinnedColumns` for ``k`` columns (None when ``k`` is 0), started from the cached
-    first block's dW rows when there is one."""
-    if k <= 0:
-        return None
-    vocab, hid = weight_shape
-    pin = PinnedColumns(labels, idx, ignore_index, k, hid, vocab, n_c)
-    if cached:
-        pin.start_from(dw)
-    return pin
 
 
 def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean: bool,
@@ -770,7 +755,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
     cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
-    pin = one_pass_pins(rows, n_c, cached, weight.shape, need_dw)
+    pin = one_pass_pins(rows, n_c, cached, weight.shape, need_dw, hidden.element_size())
     if pin < 0:
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
@@ -784,7 +769,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     if cached:
         logp, ent, lse = _cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                        dh if need_dh else None, dw, lambda *_: (coef, None, None))
-    pinned = start_pins(labels, idx, ignore_index, pin, weight.shape, n_c, dw, cached)
+    pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden) if pin > 0 else None
     ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
@@ -792,7 +777,8 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                i == 0 and not cached, pinned)
     if pinned is not None:
-        pinned.finish(dw)
+        ch = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
+        pinned.finish(dw, hidden, idx)
     loss = -(logp.sum() * coef)
     return loss, dh, dw
 

@@ -333,11 +333,12 @@ def scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def take_columns_kernel(dl_ptr, stride_row, cols_ptr, out_ptr, K, BLOCK: tl.constexpr):
+def take_columns_kernel(dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, BLOCK: tl.constexpr):
     """Grid ``(rows, cdiv(K, BLOCK))``: ``out[row, j] = dl[row, cols[j]]``, then ``dl[row, cols[j]] = 0``.
 
     Moves a chunk's dlogits at the pinned label columns out of the buffer in one read and two
-    writes (``out`` is ``(rows, K)``, contiguous); the bf16 dW GEMM then adds exact zeros there.
+    writes (``out`` is ``(rows, K)`` with row stride ``stride_out``); the bf16 dW GEMM then adds
+    exact zeros there.
     """
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -345,5 +346,5 @@ def take_columns_kernel(dl_ptr, stride_row, cols_ptr, out_ptr, K, BLOCK: tl.cons
     cols = tl.load(cols_ptr + j, mask=mask, other=0)
     src = dl_ptr + row * stride_row + cols
     x = tl.load(src, mask=mask, other=0.0)
-    tl.store(out_ptr + row * K + j, x, mask=mask)
+    tl.store(out_ptr + row * stride_out + j, x, mask=mask)
     tl.store(src, tl.zeros_like(x), mask=mask)

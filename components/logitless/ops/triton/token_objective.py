@@ -87,7 +87,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
     chunks = (cached > 0) + -(-(rows - cached) // n_c)
     # Pinned label columns make the one pass as accurate as the two; they do not lengthen it here.
-    pin = head.pinned_columns(rows, vocab, weight.shape[1], chunks) if need_dw else 0
+    pin = head.pinned_columns(rows, vocab, weight.shape[1], chunks, hidden.element_size()) \
+        if need_dw and not cached else 0
     if not need_grad or chunks > head.FUSED_MAX_CHUNKS:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
@@ -117,7 +118,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
-    pinned = head.start_pins(labels, idx, ignore_index, pin, weight.shape, n_c, dw, cached)
+    pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden) if pin > 0 else None
     ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
@@ -133,7 +134,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
         head._grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                     i == 0 and not cached, pinned)
     if pinned is not None:
-        pinned.finish(dw)
+        ch = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
+        pinned.finish(dw, hidden, idx)
     return total, logp, ent, dh, dw
 
 
