@@ -43,7 +43,9 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
     recompute bwd:  rows_b * cols_b * itemsize + rows_b * H * 4 <= B   (+ rows_b * H * itemsize for
                     the gathered rows when some are ignored)
     fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
-                    its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B
+                    its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B;
+                    pinned label columns: rows * k * itemsize <= P (``PINNED_BYTES``), then the
+                    compacted hidden rows and the pinned dW rows once the logits buffer is freed
 
 At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 MiB), backward
 8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
