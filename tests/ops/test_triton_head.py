@@ -287,14 +287,14 @@ def test_pinned_columns_rule(monkeypatch):
     assert head.pinned_columns(8192, 152064, 3584, 1, 2) == 0           # one chunk: one rounding
     assert head.pinned_columns(8192, 151936, 896, 11, 2) == 0           # narrow head: two passes win
     shape = (152064, 3584)
-    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True) == 8192
-    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False) == 0
-    assert head.one_pass_pins(8192, 768, 3584, shape, need_dw=True) == 0   # cached block: no pins, 1 + 6 chunks
-    assert head.one_pass_pins(12000, 768, 0, shape, need_dw=True) == -1  # 275 MB of pins, 16 chunks
-    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 6000  # 8 chunks, pinned
+    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True, itemsize=2) == 8192
+    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False, itemsize=2) == 0
+    assert head.one_pass_pins(8192, 768, 3584, shape, need_dw=True, itemsize=2) == 0   # cached: no pins, 1 + 6 chunks
+    assert head.one_pass_pins(12000, 768, 0, shape, need_dw=True, itemsize=2) == -1  # 275 MB of pins, 16 chunks
+    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True, itemsize=2) == 6000  # 8 chunks, pinned
     monkeypatch.setattr(head, "PINNED_BYTES", 0)
-    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True) == 0    # 8 chunks, unpinned
-    assert head.one_pass_pins(6200, 768, 0, shape, need_dw=True) == -1   # 9 chunks
+    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True, itemsize=2) == 0    # 8 chunks, unpinned
+    assert head.one_pass_pins(6200, 768, 0, shape, need_dw=True, itemsize=2) == -1   # 9 chunks
 
 
 def test_cached_block_without_dh(monkeypatch):

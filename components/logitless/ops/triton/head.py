@@ -708,7 +708,12 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
     return tuple(out)
 
 
-def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool, itemsize: int = 2) -> int:
+def one_pass_chunks(rows: int, n_c: int, cached: int) -> int:
+    """Row chunks of the one pass: the cached first block (if any), then chunks of ``n_c`` rows."""
+    return (cached > 0) + -(-(rows - cached) // n_c)
+
+
+def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool, itemsize: int) -> int:
     """Whether a scalar-upstream call runs in one pass, and with how many pinned label columns.
 
     One pass when dW is not wanted, or the valid rows fit ``FUSED_MAX_CHUNKS`` chunks, or label
@@ -726,7 +731,7 @@ def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool,
     if not need_dw:
         return 0
     vocab, hid = weight_shape
-    chunks = (cached > 0) + -(-(rows - cached) // n_c)
+    chunks = one_pass_chunks(rows, n_c, cached)
     k = 0 if cached else pinned_columns(rows, vocab, hid, chunks, itemsize)
     if k and chunks <= PINNED_MAX_CHUNKS:
         return k

@@ -85,7 +85,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     # Unlike cross-entropy, a frozen head (no dW) does not switch this to one pass at any chunk
     # count: each chunk calls the Python objective, which made the one pass host-bound at many
     # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
-    chunks = (cached > 0) + -(-(rows - cached) // n_c)
+    chunks = head.one_pass_chunks(rows, n_c, cached)
     # Pinned label columns make the one pass as accurate as the two; they do not lengthen it here.
     pin = head.pinned_columns(rows, vocab, weight.shape[1], chunks, hidden.element_size()) \
         if need_dw and not cached else 0
