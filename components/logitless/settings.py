@@ -108,11 +108,16 @@ KNOBS: Dict[str, Knob] = {
         "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
     "triton_pinned_mb": Knob(
         "LOGITLESS_TRITON_PINNED_MB", 128, _non_negative_int,
-        "MiB for the dlogits at the label columns of a one-pass cross-entropy or token objective "
-        "(pinned label columns): their dW rows, where a chunk's gradient is largest, come from one "
-        "GEMM over every row after the last chunk, rounded once, so the one pass keeps plain "
-        "PyTorch's dW accuracy over many chunks. Used while valid rows x min(valid rows, V) "
-        "elements fit, H >= 2048 and no first block is cached; 0 turns it off."),
+        "MiB for the dlogits at the pinned label columns of a one-pass cross-entropy or token "
+        "objective: the most frequent labels' columns and every other row's own label entry are "
+        "moved out of each chunk's bf16 dW accumulation and added once after the last chunk "
+        "(fp32 sums, one rounding), so the one pass keeps plain PyTorch's dW accuracy over many "
+        "chunks. Used while valid rows x pinned columns elements fit and no first block is cached; "
+        "0 turns it off."),
+    "triton_pinned_columns": Knob(
+        "LOGITLESS_TRITON_PINNED_COLUMNS", 1024, _positive_int,
+        "How many of the most frequent labels' columns are pinned whole (at most the valid rows "
+        "and V); more cost more of each chunk's sectors to move."),
     "triton_pinned_max_chunks": Knob(
         "LOGITLESS_TRITON_PINNED_MAX_CHUNKS", 48, _non_negative_int,
         "With pinned label columns, the one-pass 3-GEMM path runs up to this many row chunks (the "

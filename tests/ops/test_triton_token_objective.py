@@ -32,11 +32,11 @@ def _small_tiles(monkeypatch):
 
 @pytest.fixture(params=[1000, "pinned", 0], ids=["onepass", "pinned", "twopass"])
 def path(monkeypatch, request):
-    # 1000: one pass per row chunk (3 GEMMs); "pinned": the same with the label columns' dW rows
-    # from one GEMM at the end (head.PinnedColumns); 0: the slab forward + slab backward fallback.
+    # 1000: one pass per row chunk (3 GEMMs); "pinned": the same with the labels' dlogits kept out
+    # of the per-chunk dW rounding (head.PinnedColumns); 0: the slab forward + slab backward fallback.
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 0 if request.param == 0 else 1000)
     if request.param == "pinned":
-        monkeypatch.setattr(head, "PIN_MIN_HIDDEN", 0)  # the tests' heads are narrow
+        monkeypatch.setattr(head, "PINNED_COLUMNS", 3)  # most labels' own entries move on their own
     return request.param
 
 

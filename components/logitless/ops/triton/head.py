@@ -15,12 +15,13 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
   frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
-  chunk). On heads of ``PIN_MIN_HIDDEN`` and wider, when the dlogits of every row at every label
-  column fit ``PINNED_BYTES``, the one pass also runs past that (up to ``PINNED_MAX_CHUNKS``
-  chunks) with the label columns pinned (``PinnedColumns``): each chunk moves its dlogits at those
-  columns out (``take_columns_kernel``), and one GEMM over all rows after the last chunk writes
-  their dW rows, which carry most of dW's norm: rounded once, as plain PyTorch's; the rest of dW
-  once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
+  chunk). When the dlogits of every row at the pinned label columns fit ``PINNED_BYTES``, the one
+  pass also runs past that (up to ``PINNED_MAX_CHUNKS`` chunks) with the labels pinned
+  (``PinnedColumns``): each chunk moves its dlogits at the most frequent labels' columns and at
+  every other row's own label out (``take_columns_kernel``); after the last chunk one GEMM over
+  all rows writes the pinned columns' dW rows and fp32 sums add the label entries to theirs
+  (``add_label_rows_kernel``). Those rows carry most of dW's norm and are rounded once, as plain
+  PyTorch's; the rest of dW once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
   block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
   (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
   dW once, so fewer chunks follow (7B head, 8192 rows: 1 + 6 instead of 11). Otherwise the
@@ -44,8 +45,9 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
                     the gathered rows when some are ignored)
     fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
                     its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B;
-                    pinned label columns: rows * k * itemsize <= P (``PINNED_BYTES``), then the
-                    compacted hidden rows and the pinned dW rows once the logits buffer is freed
+                    pinned labels: rows * k * itemsize <= P (``PINNED_BYTES``) + rows * 4 (label
+                    entries, fp32), then the compacted hidden rows and the pinned dW rows once
+                    the logits buffer is freed
 
 At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 MiB), backward
 8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
@@ -73,12 +75,8 @@ FUSED_MAX_CHUNKS = settings.triton_fused_max_chunks
 PINNED_BYTES = settings.triton_pinned_mb << 20
 #: With pinned label columns, the one pass runs up to this many row chunks.
 PINNED_MAX_CHUNKS = settings.triton_pinned_max_chunks
-#: Label columns are pinned only for heads at least this wide. Moving k of V columns out of a
-#: chunk costs about k/V of a pass over the chunk's dlogits, whatever H; the second GEMM pass it
-#: replaces costs H. Measured on an H200 (benchmarks/results/head_pinned_h200.csv and
-#: docs/performance.md, 10% ignored labels): 7B (H 3584) 3.58 GEMMs against 4.24 for two passes,
-#: 8B (4096) 3.62 against 4.05; at 0.5B (896) an earlier version measured 4.89-4.98 against 4.79.
-PIN_MIN_HIDDEN = 2048
+#: At most this many label columns (the most frequent labels) are pinned whole.
+PINNED_COLUMNS = settings.triton_pinned_columns
 #: Pinned columns per program of ``take_columns_kernel``.
 TAKE_BLOCK = 256
 #: One-pass CE: keep the first block's logits in dW's still-unwritten buffer (``cached_block_rows``).
@@ -269,10 +267,12 @@ def _dw_update(dw_slab, dl, h_b, weight, first):
 def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) -> int:
     """How many label columns a one-pass call pins (0: none), from host-known sizes only.
 
-    At most ``min(rows, vocab)`` distinct labels occur, so pinning that many covers every label
-    without a host read of the labels; it is done when their ``(rows, k)`` dlogits fit
-    ``PINNED_BYTES``, dW is rounded more than once (two or more chunks) and the head is at least
-    ``PIN_MIN_HIDDEN`` wide (narrower heads run two passes faster).
+    The ``min(rows, vocab, PINNED_COLUMNS)`` most frequent labels are pinned whole; every other
+    row's own label entry is moved out on its own (:class:`PinnedColumns`). Done when their
+    ``(rows, k)`` dlogits fit ``PINNED_BYTES`` and dW is rounded more than once (two or more
+    chunks). Whatever H: moving ``k`` of V columns costs about ``16 k / V`` of a pass over a
+    chunk's dlogits, the second GEMM pass it replaces a GEMM (H200, 10% ignored labels,
+    docs/performance.md: 3.41 against 4.26 GEMMs at the 7B head, 4.06 against 4.81 at 0.5B).
 
     Args:
         rows (int): valid rows. vocab (int): V. hid (int): H. chunks (int): row chunks of the pass.
@@ -282,25 +282,34 @@ def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) 
         int: label columns to pin.
 
     Example:
-        >>> pinned_columns(7373, 152064, 3584, 10, 2)  # 109 MB of bf16 dlogits, within 128 MiB
-        7373
+        >>> pinned_columns(7373, 152064, 3584, 10, 2)  # 15 MB of bf16 dlogits
+        1024
     """
-    k = min(rows, vocab)
-    if chunks < 2 or k == 0 or hid < PIN_MIN_HIDDEN or rows * k * itemsize > PINNED_BYTES:
+    k = min(rows, vocab, PINNED_COLUMNS)
+    if chunks < 2 or k == 0 or rows * k * itemsize > PINNED_BYTES:
         return 0
     return k
 
 
 class PinnedColumns:
-    """The dlogits of a one pass at its labels' columns, kept for one dW GEMM over every row.
+    """The one pass's dlogits at its labels, kept out of the per-chunk bf16 dW accumulation.
 
     A chunk's gradient ``p - onehot`` is largest at its labels' columns, so their dW rows carry
     most of dW's norm (all but ~0.3% of it for Gaussian logits; ~60% for peaked ones). Rounding
     those rows to bf16 after every chunk is what made the one pass less accurate than plain
-    PyTorch. Here each chunk moves its dlogits at the pinned columns into its rows of a
-    ``(valid rows, k)`` buffer and zeroes them in place, so the chunk's bf16 ``dW += dl.T @ h`` adds
-    exact zeros to those dW rows; :meth:`finish` computes them with one GEMM over all the rows
-    (fp32 accumulation, one rounding: plain PyTorch's).
+    PyTorch. Two parts are moved out of each chunk's buffer, after its dh GEMM and before its
+    ``dW += dl.T @ h`` (which then adds exact zeros there):
+
+    * the ``k`` most frequent labels' whole columns, into the chunk's rows of a ``(valid rows, k)``
+      buffer: a frequent token also collects large probabilities from rows labelled otherwise;
+      :meth:`finish` writes their dW rows with one GEMM over all rows (fp32 accumulation, one
+      rounding: plain PyTorch's);
+    * every other row's entry at its own label (``p - 1``, the largest), into an fp32 vector;
+      :meth:`finish` sums them per label in fp32 into dW's row and rounds once
+      (``add_label_rows_kernel``).
+
+    Moving ``k`` columns touches about ``16 k / V`` of a row's 32-byte sectors; pinning every label
+    (``k`` = valid rows) made the move cost a pass over the chunk (0.09 GEMMs at the 7B head).
 
     Args:
         labels (torch.Tensor): ``(N,)`` int64. idx (Optional[torch.Tensor]): the valid rows (or None).
@@ -315,24 +324,43 @@ class PinnedColumns:
 
     def __init__(self, labels, idx, ignore_index, k, rows, vocab, like):
         y = labels if idx is None else labels.index_select(0, idx)
+        dev = labels.device
         # Counts over V + 1 bins, ignored labels in the last: no host sync, no index out of range.
-        counts = torch.zeros(vocab + 1, dtype=torch.int32, device=labels.device)
-        counts.scatter_add_(0, torch.where(y == ignore_index, vocab, y), torch.ones_like(y, dtype=torch.int32))
+        safe = torch.where(y == ignore_index, vocab, y)
+        counts = torch.zeros(vocab + 1, dtype=torch.int32, device=dev)
+        counts.scatter_add_(0, safe, torch.ones_like(y, dtype=torch.int32))
         self.cols = torch.topk(counts[:vocab], k, sorted=False).indices.sort().values
+        # slot[v] >= 0: column v is pinned (the last bin: ignored rows, never moved)
+        self.slot = torch.full((vocab + 1,), -1, dtype=torch.int32, device=dev)
+        self.slot[self.cols] = torch.arange(k, dtype=torch.int32, device=dev)
+        self.slot[vocab] = 0
+        self.labels, self.ignore_index, self.vocab = y, ignore_index, vocab
+        self.diag = torch.zeros(rows, dtype=torch.float32, device=dev)
         # Rows 16-byte aligned: cuBLAS reads an unaligned operand with a far slower kernel.
         self.dl = like.new_empty((rows, -(-k // 8) * 8))[:, :k]
 
     def take(self, dl: torch.Tensor, start: int) -> None:
-        """Moves ``dl``'s pinned columns (the chunk of valid rows from ``start``) out, zeroed in place."""
+        """Moves ``dl``'s pinned columns and label entries (the valid rows from ``start``) out."""
         rows, k = dl.shape[0], self.cols.numel()
         kernels.take_columns_kernel[(rows, triton_cdiv(k, TAKE_BLOCK))](
             dl, dl.stride(0), self.cols, self.dl[start : start + rows], self.dl.stride(0), k,
-            BLOCK=TAKE_BLOCK, num_warps=4)
+            self.labels, self.slot, self.diag, start, self.ignore_index, BLOCK=TAKE_BLOCK, num_warps=4)
 
     def finish(self, dw: torch.Tensor, hidden: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
-        """``dw[cols] = dl_k.T @ h`` over every valid row of ``hidden`` (compacted by ``idx``)."""
+        """Writes the pinned columns' dW rows and adds the label entries' to theirs."""
         h = hidden if idx is None else hidden.index_select(0, idx)
         dw.index_copy_(0, self.cols, torch.matmul(self.dl.t(), h))
+        h = None
+        # Rows whose label entry was moved, sorted by label (the rest sort last): one program per
+        # run of equal labels sums it in a fixed order.
+        safe = torch.where(self.labels == self.ignore_index, self.vocab, self.labels)
+        keys = torch.where(self.slot[safe] < 0, safe, self.vocab)
+        keys, perm = torch.sort(keys, stable=True)
+        rows, hid = keys.numel(), dw.shape[1]
+        block = min(1024, 1 << (hid - 1).bit_length())
+        kernels.add_label_rows_kernel[(rows, triton_cdiv(hid, block))](
+            keys, perm, self.diag, hidden, idx if idx is not None else perm, dw, rows, hid, self.vocab,
+            HAS_IDX=idx is not None, BLOCK_H=block, num_warps=4)
 
 
 def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

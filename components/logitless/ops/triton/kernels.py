@@ -15,6 +15,10 @@ between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
   tile (the one-pass CE's cached first block, kept in dW's buffer), in 2-D blocks.
 * ``dlogits_kernel``: overwrites the logits of a chunk with the gradient w.r.t. the raw logits,
   ``(1/T) * (c_lp (onehot - p) - c_ent p (log p + entropy))``, in the logits' dtype, in place.
+* ``take_columns_kernel`` / ``add_label_rows_kernel``: the one pass's pinned label columns
+  (``head.PinnedColumns``): a chunk's dlogits at the most frequent labels' columns and at each
+  row's own label are moved out before its dW GEMM; after the last chunk the label entries are
+  summed per label in fp32 into dW's rows.
 * ``scale_kernel``: multiplies a gradient in place by a scalar read on the device (skips when it
   is 1), so the scalar-upstream regime needs no host sync and no second copy of dW.
 
@@ -333,12 +337,16 @@ def scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def take_columns_kernel(dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, BLOCK: tl.constexpr):
-    """Grid ``(rows, cdiv(K, BLOCK))``: ``out[row, j] = dl[row, cols[j]]``, then ``dl[row, cols[j]] = 0``.
+def take_columns_kernel(
+    dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, labels_ptr, slot_ptr, diag_ptr, row0,
+    ignore_index, BLOCK: tl.constexpr,
+):
+    """Grid ``(rows, cdiv(K, BLOCK))``: moves a chunk's dlogits at the pinned columns out, zeroed.
 
-    Moves a chunk's dlogits at the pinned label columns out of the buffer in one read and two
-    writes (``out`` is ``(rows, K)`` with row stride ``stride_out``); the bf16 dW GEMM then adds
-    exact zeros there.
+    ``out[row, j] = dl[row, cols[j]]`` (``out`` is ``(rows, K)`` with row stride ``stride_out``),
+    then ``dl[row, cols[j]] = 0``. The programs of the first column block also move the row's
+    own label entry ``dl[row, label]`` into ``diag[row0 + row]`` (fp32) when its label is not
+    pinned (``slot[label] < 0``). The bf16 dW GEMM then adds exact zeros at all of them.
     """
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -348,3 +356,47 @@ def take_columns_kernel(dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, BL
     x = tl.load(src, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + j, x, mask=mask)
     tl.store(src, tl.zeros_like(x), mask=mask)
+    if tl.program_id(1) == 0:
+        label = tl.load(labels_ptr + row0 + row)
+        safe = tl.where(label != ignore_index, label, 0).to(tl.int64)
+        free = (label != ignore_index) & (tl.load(slot_ptr + safe) < 0)
+        own = dl_ptr + row * stride_row + safe
+        d = tl.load(own, mask=free, other=0.0)
+        tl.store(diag_ptr + row0 + row, d.to(tl.float32), mask=free)
+        tl.store(own, tl.zeros_like(d), mask=free)
+
+
+@triton.jit
+def add_label_rows_kernel(
+    keys_ptr, perm_ptr, diag_ptr, h_ptr, idx_ptr, dw_ptr, rows, H, sentinel,
+    HAS_IDX: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid ``(rows, cdiv(H, BLOCK_H))``: ``dw[t] += sum diag[r] h[r]`` over the rows labelled ``t``.
+
+    ``keys`` are the rows' labels sorted (``perm`` the sort order; ``sentinel`` marks rows without
+    a moved label entry, sorted last). The program at the first row of a run of equal keys sums the
+    run in fp32, adds ``dw[t]`` and rounds once, in a fixed order: deterministic. ``h`` is the
+    hidden state, its valid rows at ``idx`` when ``HAS_IDX``.
+    """
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    t = tl.load(keys_ptr + i)
+    prev = tl.load(keys_ptr + tl.maximum(i - 1, 0))
+    if (t != sentinel) & ((i == 0) | (prev != t)):
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        j = i
+        more = True
+        while more:
+            r = tl.load(perm_ptr + j)
+            if HAS_IDX:
+                hr = tl.load(idx_ptr + r)
+            else:
+                hr = r
+            hv = tl.load(h_ptr + hr * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += tl.load(diag_ptr + r) * hv
+            j += 1
+            more = (j < rows) & (tl.load(keys_ptr + tl.minimum(j, rows - 1)) == t)
+        out = dw_ptr + t.to(tl.int64) * H + cols
+        w = tl.load(out, mask=cmask, other=0.0)
+        tl.store(out, (w.to(tl.float32) + acc).to(w.dtype), mask=cmask)
