@@ -25,8 +25,11 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
 * inputs (``--logits``): ``gaussian`` (hidden ~ N(0, 1), logits of std ``--logit-std``, 2 by
   default) or ``peaked`` (a trained LM's: each row's hidden state points at 3 tokens whose logits
   stand 15, 12 and 9 above a std-1 background, the label is the top one 60% of the time, another
-  of the three 25%, else random); ``--ignore-frac`` of the labels are ignored. Peers that skip
-  work on small probabilities (Cut Cross-Entropy's gradient filtering) depend on this.
+  of the three 25%, else random), or ``zipf`` (the same with the favoured tokens and the random
+  labels drawn by token frequency, Zipf's law over V: frequent tokens take large probabilities in
+  many rows, as text's punctuation and function words do); ``--ignore-frac`` of the labels are
+  ignored. Peers that skip work on small probabilities (Cut Cross-Entropy's gradient filtering)
+  depend on this, and so does how much of dW the fused head's pinned labels cover.
 
 Each row: median ms, ratio to one ``torch.matmul`` of (N x H) by (H x V) in bf16 measured in the
 same run (each rep times a GEMM then the step, back to back; the median of the per-rep ratios,
@@ -64,6 +67,7 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "llama8b": (8192, 4096, 128256),
     "qwen05b": (16384, 896, 151936),
     "long": (32768, 3584, 152064),
+    "sft05b": (65536, 896, 151936),  # the 0.5B SFT step's 8 x 8192 tokens
 }
 IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_twopass",
          "triton_hgemm", "triton_fused_hgemm", "triton_unfused", "liger", "cce"]
@@ -497,7 +501,7 @@ def _kernel_category(name):
     return "other"  # torch elementwise / index / reduce / copy kernels
 
 
-LOGITS = ("gaussian", "peaked")
+LOGITS = ("gaussian", "peaked", "zipf")
 #: peaked inputs: how far each row's 3 favoured tokens stand above the std-1 background logits, and
 #: how often the label is the top one / one of the other two.
 PEAK_LOGITS, P_TOP, P_OTHER_PEAK = (15.0, 12.0, 9.0), 0.6, 0.25
@@ -509,7 +513,8 @@ def head_inputs(shape, device, logits="gaussian", logit_std=2.0, ignore_frac=0.0
     Args:
         shape (str): a key of ``SHAPES``. device (torch.device): where to build them.
         logits (str): ``"gaussian"``: normed hidden ~ N(0, 1), logits ~ N(0, logit_std^2);
-            ``"peaked"``: as a trained LM's (see the module docstring).
+            ``"peaked"``: as a trained LM's; ``"zipf"``: peaked, tokens drawn by frequency (see the
+            module docstring).
         logit_std (float): std of the Gaussian logits (the background's is 1 when peaked).
         ignore_frac (float): fraction of labels set to the ignored index.
         dims (Optional[Tuple[int, int, int]]): ``(N, H, V)`` instead of ``SHAPES[shape]``.
@@ -526,10 +531,16 @@ def head_inputs(shape, device, logits="gaussian", logit_std=2.0, ignore_frac=0.0
     h = torch.randn(n, hd, device=device, generator=gen)
     std = logit_std if logits == "gaussian" else 1.0
     w = torch.randn(v, hd, device=device, generator=gen) * (std / math.sqrt(hd))
-    y = torch.randint(0, v, (n,), device=device, generator=gen)
-    if logits == "peaked":
+    if logits == "zipf":
+        freq = 1.0 / torch.arange(1, v + 1, device=device, dtype=torch.float64)  # token id = rank
+        draw = lambda *size: torch.multinomial(freq, math.prod(size), replacement=True,  # noqa: E731
+                                               generator=gen).view(size)
+    else:
+        draw = lambda *size: torch.randint(0, v, size, device=device, generator=gen)  # noqa: E731
+    y = draw(n)
+    if logits != "gaussian":
         # h += sum_k b_k W[t_k] / |W[t_k]|^2 lifts logit t_k by b_k (cross terms ~ b / sqrt(H))
-        top = torch.randint(0, v, (n, len(PEAK_LOGITS)), device=device, generator=gen)
+        top = draw(n, len(PEAK_LOGITS))
         for k, b in enumerate(PEAK_LOGITS):
             wk = w[top[:, k]]
             h += b * wk / wk.square().sum(-1, keepdim=True)

@@ -119,7 +119,7 @@ KNOBS: Dict[str, Knob] = {
         "How many of the most frequent labels' columns are pinned whole (at most the valid rows "
         "and V); more cost more of each chunk's sectors to move."),
     "triton_pinned_max_chunks": Knob(
-        "LOGITLESS_TRITON_PINNED_MAX_CHUNKS", 48, _non_negative_int,
+        "LOGITLESS_TRITON_PINNED_MAX_CHUNKS", 96, _non_negative_int,
         "With pinned label columns, the one-pass 3-GEMM path runs up to this many row chunks (the "
         "other dW rows are still rounded once per chunk); above it, the 4-GEMM path."),
     "triton_cache_first_block": Knob(

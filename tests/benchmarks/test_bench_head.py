@@ -175,6 +175,24 @@ def test_peaked_inputs_look_like_a_trained_lm(bench):
     assert (yg != bench.IGN).all()
 
 
+def test_zipf_inputs_favour_frequent_tokens(bench):
+    # As peaked, but the favoured tokens and the random labels follow Zipf's law over V (token id =
+    # frequency rank): under 1/rank, the 10 most frequent of 4000 tokens hold 3.29 / 8.87 = 37% of
+    # the mass (uniform ids: 0.25%), and a frequent token is predicted in many rows.
+    n, hd, v = 2048, 64, 4000
+    h, w, y, *_ = bench.head_inputs(None, torch.device("cpu"), "zipf", ignore_frac=0.1, dims=(n, hd, v))
+    valid = y != bench.IGN
+    expected = sum(1.0 / r for r in range(1, 11)) / sum(1.0 / r for r in range(1, v + 1))
+    labels_top10 = (y[valid] < 10).float().mean().item()
+    assert abs(labels_top10 - expected) < 0.06
+    probs = (h.detach().float() @ w.detach().float().t()).softmax(-1)
+    assert probs.max(-1).values.median() > 0.5
+    top = probs.argmax(-1)
+    assert torch.bincount(top, minlength=v)[:10].sum().item() > 0.25 * n
+    hp, wp, yp, *_ = bench.head_inputs(None, torch.device("cpu"), "peaked", ignore_frac=0.1, dims=(n, hd, v))
+    assert (yp[yp != bench.IGN] < 10).float().mean().item() < 0.1 * labels_top10
+
+
 def test_bad_input_regime_raises(bench):
     with pytest.raises(ValueError, match="logits must be one of"):
         bench.head_inputs(None, torch.device("cpu"), "uniform", dims=(4, 8, 16))

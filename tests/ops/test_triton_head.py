@@ -280,7 +280,7 @@ def test_pinned_columns_rule(monkeypatch):
     monkeypatch.setattr(head, "PINNED_BYTES", 128 << 20)
     monkeypatch.setattr(head, "PINNED_COLUMNS", 1024)
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 8)
-    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 48)
+    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 96)
     assert head.pinned_columns(8192, 152064, 3584, 11, 2) == 1024       # the most frequent labels
     assert head.pinned_columns(65536, 152064, 3584, 11, 2) == 1024      # exactly 128 MiB of bf16
     assert head.pinned_columns(65537, 152064, 3584, 11, 2) == 0         # one row over the budget
@@ -293,8 +293,8 @@ def test_pinned_columns_rule(monkeypatch):
     assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True, itemsize=2) == 1024
     assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False, itemsize=2) == 0
     assert head.one_pass_pins(8192, 768, 3584, shape, need_dw=True, itemsize=2) == 0   # cached: no pins, 1 + 6 chunks
-    assert head.one_pass_pins(36864, 768, 0, shape, need_dw=True, itemsize=2) == 1024  # 48 chunks
-    assert head.one_pass_pins(36865, 768, 0, shape, need_dw=True, itemsize=2) == -1    # 49 chunks
+    assert head.one_pass_pins(65536, 768, 0, shape, need_dw=True, itemsize=2) == 1024  # 86 chunks
+    assert head.one_pass_pins(73729, 768, 0, shape, need_dw=True, itemsize=2) == -1    # 97 chunks
     monkeypatch.setattr(head, "PINNED_BYTES", 0)
     assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True, itemsize=2) == 0    # 8 chunks, unpinned
     assert head.one_pass_pins(6200, 768, 0, shape, need_dw=True, itemsize=2) == -1   # 9 chunks

@@ -53,6 +53,7 @@ At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 
 8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
 """
 
+import itertools
 import os
 from typing import Optional, Tuple
 
@@ -270,9 +271,9 @@ def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) 
     The ``min(rows, vocab, PINNED_COLUMNS)`` most frequent labels are pinned whole; every other
     row's own label entry is moved out on its own (:class:`PinnedColumns`). Done when their
     ``(rows, k)`` dlogits fit ``PINNED_BYTES`` and dW is rounded more than once (two or more
-    chunks). Whatever H: moving ``k`` of V columns costs about ``16 k / V`` of a pass over a
-    chunk's dlogits, the second GEMM pass it replaces a GEMM (H200, 10% ignored labels,
-    docs/performance.md: 3.41 against 4.26 GEMMs at the 7B head, 4.06 against 4.81 at 0.5B).
+    chunks), whatever H: moving ``k`` of V columns costs about ``16 k / V`` of a pass over a
+    chunk's dlogits, the second pass it saves a GEMM (H200, 10% ignored labels,
+    docs/performance.md: 3.37 against 4.24 GEMMs at the 7B head, 4.12 against 4.87 at 0.5B).
 
     Args:
         rows (int): valid rows. vocab (int): V. hid (int): H. chunks (int): row chunks of the pass.
@@ -326,15 +327,15 @@ class PinnedColumns:
         y = labels if idx is None else labels.index_select(0, idx)
         dev = labels.device
         # Counts over V + 1 bins, ignored labels in the last: no host sync, no index out of range.
-        safe = torch.where(y == ignore_index, vocab, y)
+        self.bins = torch.where(y == ignore_index, vocab, y)
         counts = torch.zeros(vocab + 1, dtype=torch.int32, device=dev)
-        counts.scatter_add_(0, safe, torch.ones_like(y, dtype=torch.int32))
+        counts.scatter_add_(0, self.bins, torch.ones_like(y, dtype=torch.int32))
         self.cols = torch.topk(counts[:vocab], k, sorted=False).indices.sort().values
-        # slot[v] >= 0: column v is pinned (the last bin: ignored rows, never moved)
+        # slot[v] >= 0: column v is pinned (the last bin: ignored rows, whose entries never move)
         self.slot = torch.full((vocab + 1,), -1, dtype=torch.int32, device=dev)
         self.slot[self.cols] = torch.arange(k, dtype=torch.int32, device=dev)
         self.slot[vocab] = 0
-        self.labels, self.ignore_index, self.vocab = y, ignore_index, vocab
+        self.vocab = vocab
         self.diag = torch.zeros(rows, dtype=torch.float32, device=dev)
         # Rows 16-byte aligned: cuBLAS reads an unaligned operand with a far slower kernel.
         self.dl = like.new_empty((rows, -(-k // 8) * 8))[:, :k]
@@ -344,7 +345,7 @@ class PinnedColumns:
         rows, k = dl.shape[0], self.cols.numel()
         kernels.take_columns_kernel[(rows, triton_cdiv(k, TAKE_BLOCK))](
             dl, dl.stride(0), self.cols, self.dl[start : start + rows], self.dl.stride(0), k,
-            self.labels, self.slot, self.diag, start, self.ignore_index, BLOCK=TAKE_BLOCK, num_warps=4)
+            self.bins, self.slot, self.diag, start, BLOCK=TAKE_BLOCK, num_warps=4)
 
     def finish(self, dw: torch.Tensor, hidden: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
         """Writes the pinned columns' dW rows and adds the label entries' to theirs."""
@@ -353,8 +354,7 @@ class PinnedColumns:
         h = None
         # Rows whose label entry was moved, sorted by label (the rest sort last): one program per
         # run of equal labels sums it in a fixed order.
-        safe = torch.where(self.labels == self.ignore_index, self.vocab, self.labels)
-        keys = torch.where(self.slot[safe] < 0, safe, self.vocab)
+        keys = torch.where(self.slot[self.bins] < 0, self.bins, self.vocab)
         keys, perm = torch.sort(keys, stable=True)
         rows, hid = keys.numel(), dw.shape[1]
         block = min(1024, 1 << (hid - 1).bit_length())
@@ -781,9 +781,6 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         gradients of the loss itself; scale them by the upstream gradient in backward).
     """
     n = hidden.shape[0]
-    logp, ent, lse = row_outputs(hidden, n)
-    count = (labels != ignore_index).sum()
-    coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
     idx = valid_rows(labels, ignore_index, n_valid)
     hidden = rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     inv_t = 1.0 / temperature
@@ -791,6 +788,16 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
     cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
     pin = one_pass_pins(rows, n_c, cached, weight.shape, need_dw, hidden.element_size())
+    chunks = first = None
+    if pin >= 0 and not cached:
+        # The first chunk's logits GEMM is queued before the small setup kernels below: after
+        # validation's host sync the GPU would otherwise idle while the host issues each of them.
+        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES)
+        chunks = iter(ch)
+        first = next(chunks, None)
+    logp, ent, lse = row_outputs(hidden, n)
+    count = (labels != ignore_index).sum()
+    coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
     if pin < 0:
         # Too many row chunks: dW would be rounded to the input dtype once per chunk. Two passes
         # (slab forward for the LSE, slab backward) cost a fourth GEMM but round dW once per
@@ -804,15 +811,17 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     if cached:
         logp, ent, lse = _cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                        dh if need_dh else None, dw, lambda *_: (coef, None, None))
+        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
+        chunks = iter(ch)
     pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden) if pin > 0 else None
-    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
-    for i, (h_c, idx_c, start, logits) in enumerate(ch):
+    for i, (h_c, idx_c, start, logits) in enumerate(itertools.chain([first] if first else [], chunks)):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)
         _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                i == 0 and not cached, pinned)
     if pinned is not None:
-        ch = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
+        # the logits workspace is free before the pinned rows' GEMM
+        ch = chunks = first = logits = h_c = None
         pinned.finish(dw, hidden, idx)
     loss = -(logp.sum() * coef)
     return loss, dh, dw

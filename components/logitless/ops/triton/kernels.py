@@ -338,15 +338,16 @@ def scale_kernel(x_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def take_columns_kernel(
-    dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, labels_ptr, slot_ptr, diag_ptr, row0,
-    ignore_index, BLOCK: tl.constexpr,
+    dl_ptr, stride_row, cols_ptr, out_ptr, stride_out, K, bins_ptr, slot_ptr, diag_ptr, row0,
+    BLOCK: tl.constexpr,
 ):
     """Grid ``(rows, cdiv(K, BLOCK))``: moves a chunk's dlogits at the pinned columns out, zeroed.
 
     ``out[row, j] = dl[row, cols[j]]`` (``out`` is ``(rows, K)`` with row stride ``stride_out``),
     then ``dl[row, cols[j]] = 0``. The programs of the first column block also move the row's
     own label entry ``dl[row, label]`` into ``diag[row0 + row]`` (fp32) when its label is not
-    pinned (``slot[label] < 0``). The bf16 dW GEMM then adds exact zeros at all of them.
+    pinned (``slot[label] < 0``; ``bins`` holds the labels, V where ignored, whose slot is not
+    negative). The bf16 dW GEMM then adds exact zeros at all of them.
     """
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -357,10 +358,9 @@ def take_columns_kernel(
     tl.store(out_ptr + row * stride_out + j, x, mask=mask)
     tl.store(src, tl.zeros_like(x), mask=mask)
     if tl.program_id(1) == 0:
-        label = tl.load(labels_ptr + row0 + row)
-        safe = tl.where(label != ignore_index, label, 0).to(tl.int64)
-        free = (label != ignore_index) & (tl.load(slot_ptr + safe) < 0)
-        own = dl_ptr + row * stride_row + safe
+        label = tl.load(bins_ptr + row0 + row).to(tl.int64)
+        free = tl.load(slot_ptr + label) < 0
+        own = dl_ptr + row * stride_row + label
         d = tl.load(own, mask=free, other=0.0)
         tl.store(diag_ptr + row0 + row, d.to(tl.float32), mask=free)
         tl.store(own, tl.zeros_like(d), mask=free)
