@@ -7,7 +7,9 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
 * forward only (``head_forward``, the no-grad pass and the forward of ``linear_log_probs``;
   ``F`` bytes of tiles without gradients, ``B`` when a backward follows):
   (row block x V slab) tiles of logits, ``row_stats_kernel`` per tile and ``merge_slab_kernel``
-  folding it into a running per-row (max, sum, entropy) state. One GEMM in total.
+  folding it into a running per-row (max, sum, entropy) state; at one split per row (the tiles
+  of thousands of rows) ``merge_slab_kernel`` takes the statistics itself, one launch per tile.
+  One GEMM in total.
 * recompute backward (``head_backward``, any per-token upstream): for each row block, V slabs of
   recomputed logits -> ``dlogits_kernel`` in place -> ``dh_block += dl @ W[slab]`` (fp32
   accumulator) and ``dW[slab] (+)= dl.T @ h_block`` (one rounding per row block). Three GEMMs.
@@ -470,11 +472,16 @@ def _stats_over_tiles(hidden, weight, labels, idx, rows, state, z_y, inv_t, igno
             torch.matmul(h_b, weight[v0:v1].t(), out=logits)
             if v1 - v0 != cols:  # the last, narrower slab
                 ch = _Tile(*_num_splits(block_rows, v1 - v0, hidden.device), part)
-            _row_stats(ch, logits, inv_t)
+            # One split per row (the forward's tiles are thousands of rows): the fold takes the
+            # row's statistics itself, one launch instead of two.
+            fused = ch.splits == 1
+            if not fused:
+                _row_stats(ch, logits, inv_t)
             kernels.merge_slab_kernel[(r1 - r0,)](
                 logits, logits.stride(0), 1, part, state, z_y, labels,
                 idx if idx is not None else labels, r0, v0, v1 - v0, inv_t, ignore_index,
-                NUM_SPLITS=ch.splits, HAS_IDX=idx is not None, FIRST=v0 == 0, num_warps=1,
+                NUM_SPLITS=ch.splits, HAS_IDX=idx is not None, FIRST=v0 == 0, STATS=fused,
+                BLOCK_V=BLOCK_V, PREFETCH=PREFETCH, num_warps=_NUM_WARPS if fused else 1,
             )
         ch = _Tile(splits, span, part)
 

@@ -8,7 +8,8 @@ between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
   ``z = logit / T`` in fp32. Padded columns are ``-inf`` (never 0) and the running max starts at
   ``-inf``.
 * ``merge_slab_kernel`` / ``finalize_state_kernel``: the forward-only path walks V in slabs and
-  folds each slab's statistics into a running per-row state, then finalizes it.
+  folds each slab's statistics into a running per-row state (taking them itself when a row of the
+  tile is one split), then finalizes it.
 * ``finalize_kernel``: merges the splits of a row into ``lse = m + log s``,
   ``entropy = log s - t / s`` and ``logp = z[label] - lse`` (0 at ignored rows).
 * ``col_stats_kernel`` / ``dlogits_t_kernel``: the same two passes over a transposed ``(V slab, rows)``
@@ -57,20 +58,12 @@ def _merge_splits(part, NUM_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def row_stats_kernel(
-    logits_ptr, stride_row, part_ptr, V, span, inv_t,
-    NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """Grid ``(rows, NUM_SPLITS)``: partial softmax statistics of columns ``[split*span, +span)``.
+def _span_stats(base, start, end, span, inv_t, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr):
+    """(max, sum exp(z - max), sum exp(z - max)(z - max)) of ``z = base[start:end] * inv_t``.
 
     Block-wide reductions (one exp per element); with ``PREFETCH`` the next block is loaded
     before the current one is reduced, so two blocks of loads are in flight per program.
     """
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    start = split * span
-    end = tl.minimum(start + span, V)
     offs = tl.arange(0, BLOCK_V)
     m = float("-inf")
     s = 0.0
@@ -92,6 +85,20 @@ def row_stats_kernel(
         t = alpha * (t + tl.where(s > 0, (m - ref) * s, 0.0)) + tl.sum(tl.where(mask, e * (z - ref), 0.0), 0)
         s = alpha * s + tl.sum(e, 0)
         m = m_new
+    return m, s, t
+
+
+@triton.jit
+def row_stats_kernel(
+    logits_ptr, stride_row, part_ptr, V, span, inv_t,
+    NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Grid ``(rows, NUM_SPLITS)``: partial softmax statistics of columns ``[split*span, +span)``."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * span
+    m, s, t = _span_stats(logits_ptr + row.to(tl.int64) * stride_row, start, tl.minimum(start + span, V),
+                          span, inv_t, BLOCK_V, PREFETCH)
     out = part_ptr + (row.to(tl.int64) * NUM_SPLITS + split) * 3
     tl.store(out, m)
     tl.store(out + 1, s)
@@ -103,11 +110,15 @@ def merge_slab_kernel(
     logits_ptr, stride_row, stride_col, part_ptr, state_ptr, zy_ptr, labels_ptr, idx_ptr, row0,
     v0, vlen, inv_t, ignore_index,
     NUM_SPLITS: tl.constexpr, HAS_IDX: tl.constexpr, FIRST: tl.constexpr,
+    STATS: tl.constexpr = False, BLOCK_V: tl.constexpr = 64, PREFETCH: tl.constexpr = False,
 ):
     """Grid ``(rows,)``: folds a V-slab's partial statistics into the running per-row state.
 
     ``state`` is fp32 ``(rows_total, 3)`` indexed by (compacted) row ``row0 + row``; the label's
-    logit is captured when it falls inside the slab ``[v0, v0 + vlen)``.
+    logit is captured when it falls inside the slab ``[v0, v0 + vlen)``. With ``STATS`` the
+    program takes the statistics of its row's slab itself (contiguous columns, one launch instead
+    of ``row_stats_kernel`` + this one: the forward's tiles have one split per row); else it
+    merges the ``NUM_SPLITS`` partials in ``part``.
     """
     row = tl.program_id(0)
     srow = row.to(tl.int64) + row0
@@ -115,7 +126,11 @@ def merge_slab_kernel(
         orow = tl.load(idx_ptr + srow).to(tl.int64)
     else:
         orow = srow
-    m, s, t = _merge_splits(part_ptr + row.to(tl.int64) * NUM_SPLITS * 3, NUM_SPLITS)
+    if STATS:
+        m, s, t = _span_stats(logits_ptr + row.to(tl.int64) * stride_row, 0, vlen, vlen, inv_t,
+                              BLOCK_V, PREFETCH)
+    else:
+        m, s, t = _merge_splits(part_ptr + row.to(tl.int64) * NUM_SPLITS * 3, NUM_SPLITS)
     st = state_ptr + srow * 3
     if not FIRST:
         m, s, t = _merge(tl.load(st), tl.load(st + 1), tl.load(st + 2), m, s, t)
