@@ -281,23 +281,23 @@ def test_pinned_columns_rule(monkeypatch):
     monkeypatch.setattr(head, "PINNED_COLUMNS", 1024)
     monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 8)
     monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 96)
-    assert head.pinned_columns(8192, 152064, 3584, 11, 2) == 1024       # the most frequent labels
-    assert head.pinned_columns(65536, 152064, 3584, 11, 2) == 1024      # exactly 128 MiB of bf16
-    assert head.pinned_columns(65537, 152064, 3584, 11, 2) == 0         # one row over the budget
-    assert head.pinned_columns(65536, 152064, 3584, 11, 4) == 0         # fp32 dlogits: twice the bytes
-    assert head.pinned_columns(100, 50, 4096, 11, 2) == 50              # at most V distinct labels
-    assert head.pinned_columns(700, 152064, 4096, 11, 2) == 700         # at most one per row
-    assert head.pinned_columns(8192, 152064, 3584, 1, 2) == 0           # one chunk: one rounding
-    assert head.pinned_columns(8192, 151936, 896, 11, 2) == 1024        # a narrow head too
-    shape = (152064, 3584)
-    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=True, itemsize=2) == 1024
-    assert head.one_pass_pins(8192, 768, 0, shape, need_dw=False, itemsize=2) == 0
-    assert head.one_pass_pins(8192, 768, 3584, shape, need_dw=True, itemsize=2) == 0   # cached: no pins, 1 + 6 chunks
-    assert head.one_pass_pins(65536, 768, 0, shape, need_dw=True, itemsize=2) == 1024  # 86 chunks
-    assert head.one_pass_pins(73729, 768, 0, shape, need_dw=True, itemsize=2) == -1    # 97 chunks
+    assert head.pinned_columns(8192, 152064, 11, 2) == 1024     # the most frequent labels
+    assert head.pinned_columns(65536, 152064, 11, 2) == 1024    # exactly 128 MiB of bf16
+    assert head.pinned_columns(65537, 152064, 11, 2) == 0       # one row over the budget
+    assert head.pinned_columns(65536, 152064, 11, 4) == 0       # fp32 dlogits: twice the bytes
+    assert head.pinned_columns(100, 50, 11, 2) == 50            # at most V distinct labels
+    assert head.pinned_columns(700, 152064, 11, 2) == 700       # at most one per row
+    assert head.pinned_columns(8192, 152064, 1, 2) == 0         # one chunk: one rounding
+    assert head.pinned_columns(8192, 151936, 11, 2) == 1024     # 0.5B's V: the rule reads no H
+    vocab = 152064
+    assert head.one_pass_pins(8192, 768, 0, vocab, need_dw=True, itemsize=2) == 1024
+    assert head.one_pass_pins(8192, 768, 0, vocab, need_dw=False, itemsize=2) == 0
+    assert head.one_pass_pins(8192, 768, 3584, vocab, need_dw=True, itemsize=2) == 0   # cached: no pins, 1 + 6 chunks
+    assert head.one_pass_pins(65536, 768, 0, vocab, need_dw=True, itemsize=2) == 1024  # 86 chunks
+    assert head.one_pass_pins(73729, 768, 0, vocab, need_dw=True, itemsize=2) == -1    # 97 chunks
     monkeypatch.setattr(head, "PINNED_BYTES", 0)
-    assert head.one_pass_pins(6000, 768, 0, shape, need_dw=True, itemsize=2) == 0    # 8 chunks, unpinned
-    assert head.one_pass_pins(6200, 768, 0, shape, need_dw=True, itemsize=2) == -1   # 9 chunks
+    assert head.one_pass_pins(6000, 768, 0, vocab, need_dw=True, itemsize=2) == 0    # 8 chunks, unpinned
+    assert head.one_pass_pins(6200, 768, 0, vocab, need_dw=True, itemsize=2) == -1   # 9 chunks
 
 
 def test_cached_block_without_dh(monkeypatch):

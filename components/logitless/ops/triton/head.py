@@ -267,7 +267,7 @@ def _dw_update(dw_slab, dl, h_b, weight, first):
         dw_slab.addmm_(dl.t(), h_b)
 
 
-def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) -> int:
+def pinned_columns(rows: int, vocab: int, chunks: int, itemsize: int) -> int:
     """How many label columns a one-pass call pins (0: none), from host-known sizes only.
 
     The ``min(rows, vocab, PINNED_COLUMNS)`` most frequent labels are pinned whole; every other
@@ -278,14 +278,14 @@ def pinned_columns(rows: int, vocab: int, hid: int, chunks: int, itemsize: int) 
     docs/performance.md: 3.37 against 4.24 GEMMs at the 7B head, 4.12 against 4.87 at 0.5B).
 
     Args:
-        rows (int): valid rows. vocab (int): V. hid (int): H. chunks (int): row chunks of the pass.
+        rows (int): valid rows. vocab (int): V. chunks (int): row chunks of the pass.
         itemsize (int): bytes per element of the inputs.
 
     Returns:
         int: label columns to pin.
 
     Example:
-        >>> pinned_columns(7373, 152064, 3584, 10, 2)  # 15 MB of bf16 dlogits
+        >>> pinned_columns(7373, 152064, 10, 2)  # 15 MB of bf16 dlogits
         1024
     """
     k = min(rows, vocab, PINNED_COLUMNS)
@@ -748,7 +748,7 @@ def one_pass_chunks(rows: int, n_c: int, cached: int) -> int:
     return (cached > 0) + -(-(rows - cached) // n_c)
 
 
-def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool, itemsize: int) -> int:
+def one_pass_pins(rows: int, n_c: int, cached: int, vocab: int, need_dw: bool, itemsize: int) -> int:
     """Whether a scalar-upstream call runs in one pass, and with how many pinned label columns.
 
     One pass when dW is not wanted, or the valid rows fit ``FUSED_MAX_CHUNKS`` chunks, or label
@@ -757,7 +757,7 @@ def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool,
 
     Args:
         rows (int): valid rows. n_c (int): rows per chunk. cached (int): rows of the cached first
-            block (:func:`cached_block_rows`). weight_shape: ``(V, H)``. need_dw (bool).
+            block (:func:`cached_block_rows`). vocab (int): V. need_dw (bool).
         itemsize (int): bytes per element of the inputs.
 
     Returns:
@@ -765,9 +765,8 @@ def one_pass_pins(rows: int, n_c: int, cached: int, weight_shape, need_dw: bool,
     """
     if not need_dw:
         return 0
-    vocab, hid = weight_shape
     chunks = one_pass_chunks(rows, n_c, cached)
-    k = 0 if cached else pinned_columns(rows, vocab, hid, chunks, itemsize)
+    k = 0 if cached else pinned_columns(rows, vocab, chunks, itemsize)
     if k and chunks <= PINNED_MAX_CHUNKS:
         return k
     return 0 if chunks <= FUSED_MAX_CHUNKS else -1
@@ -794,14 +793,14 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     rows = n if idx is None else idx.numel()
     n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
     cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
-    pin = one_pass_pins(rows, n_c, cached, weight.shape, need_dw, hidden.element_size())
-    chunks = first = None
+    pin = one_pass_pins(rows, n_c, cached, weight.shape[0], need_dw, hidden.element_size())
+    chunks = first_chunk = None
     if pin >= 0 and not cached:
         # The first chunk's logits GEMM is queued before the small setup kernels below: after
         # validation's host sync the GPU would otherwise idle while the host issues each of them.
         ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES)
         chunks = iter(ch)
-        first = next(chunks, None)
+        first_chunk = next(chunks, None)
     logp, ent, lse = row_outputs(hidden, n)
     count = (labels != ignore_index).sum()
     coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
@@ -821,14 +820,14 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
         chunks = iter(ch)
     pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden) if pin > 0 else None
-    for i, (h_c, idx_c, start, logits) in enumerate(itertools.chain([first] if first else [], chunks)):
+    for i, (h_c, idx_c, start, logits) in enumerate(itertools.chain([first_chunk] if first_chunk else [], chunks)):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)
         _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                i == 0 and not cached, pinned)
     if pinned is not None:
         # the logits workspace is free before the pinned rows' GEMM
-        ch = chunks = first = logits = h_c = None
+        ch = chunks = first_chunk = logits = h_c = None
         pinned.finish(dw, hidden, idx)
     loss = -(logp.sum() * coef)
     return loss, dh, dw

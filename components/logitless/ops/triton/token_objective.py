@@ -87,7 +87,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
     chunks = head.one_pass_chunks(rows, n_c, cached)
     # Pinned label columns make the one pass as accurate as the two; they do not lengthen it here.
-    pin = head.pinned_columns(rows, vocab, weight.shape[1], chunks, hidden.element_size()) \
+    pin = head.pinned_columns(rows, vocab, chunks, hidden.element_size()) \
         if need_dw and not cached else 0
     if not need_grad or chunks > head.FUSED_MAX_CHUNKS:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
