@@ -6,7 +6,8 @@ is run under ``torch.profiler`` and every CUDA kernel is put in one category by 
 - ``gemm``: cuBLAS / CUTLASS matrix multiplies (the FLOPs the MFU counts run here)
 - ``attention``: flash / memory-efficient / cuDNN / FlexAttention kernels
 - ``head``: logitless's Triton head kernels (statistics, dlogits, token objective)
-- ``fused``: other Triton kernels (inductor's fused elementwise / reductions under ``torch.compile``)
+- ``fused``: other Triton kernels (inductor's fused elementwise / reductions under ``torch.compile``,
+  the compiled sampler's draw)
 - ``elementwise``: PyTorch's eager elementwise and reduction kernels (norms, rotary, activations,
   residual adds, casts: memory-bound work that ``torch.compile`` would fuse)
 - ``optimizer``: the optimizer's multi-tensor kernels and gradient-norm reductions
@@ -33,7 +34,8 @@ _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("optimizer", ("multi_tensor_apply", "fused_adam", "fusedadam", "adamw", "_foreach", "lpnorm",
                    "norm_two_reduce")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa",
-                   "triton_tem_fused_flex", "flex_attention", "decode_partial_kernel", "decode_merge_kernel")),
+                   "triton_tem_fused_flex", "flex_attention", "decode_partial_kernel", "decode_merge_kernel",
+                   "decode_prefix_kernel")),
     ("gemm", ("gemm", "xmma", "cutlass", "sm90_", "sm80_", "ampere_", "hopper_", "cublas", "matmul",
               "nvjet", "splitkreduce")),
     ("copy", ("memcpy", "memset", "copy_kernel", "index_kernel", "index_elementwise", "catarray", "cat_array",
@@ -41,7 +43,7 @@ _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("head", ("row_stats_kernel", "merge_slab_kernel", "finalize_state_kernel", "finalize_kernel",
               "dlogits_kernel", "col_stats_kernel", "dlogits_t_kernel", "scale_kernel", "token_objective",
               "logitless")),
-    ("fused", ("triton_",)),
+    ("fused", ("triton_", "counter_draw_kernel", "counter_pick_kernel")),
     ("elementwise", ("elementwise", "reduce_kernel", "norm", "softmax", "unrolled", "vectorized",
                      "silu", "rotary", "activation")),
 )

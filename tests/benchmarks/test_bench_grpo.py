@@ -44,6 +44,9 @@ NAMED = {
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "other",
     "decode_partial_kernel": "attention",  # logitless's split-K decode attention
     "decode_merge_kernel": "attention",
+    "decode_prefix_kernel": "attention",  # a shared prompt's columns (was 'other')
+    "counter_draw_kernel": "fused",  # the compiled sampler's draw
+    "counter_pick_kernel": "fused",
 }
 
 

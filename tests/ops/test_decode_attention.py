@@ -218,6 +218,57 @@ def test_shared_prefix_equals_the_plain_kernel_on_a_replicated_cache():
     torch.testing.assert_close(shared, plain, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per_row", "shared_prefix"])
+def test_the_last_partial_program_merges_as_the_merge_kernel_does(monkeypatch, shared):
+    """The merge inside the partial kernel (the default) writes the merge kernel's output bit for bit,
+    over many launches of different split counts and fills, and leaves its counters at zero."""
+    if shared:
+        q, k, v, valid, prefix, _ = _shared_problem(2, 3, 16, torch.float32, seed=5)
+    else:
+        q, k, v, valid = _problem(2, 3, 16, 70, torch.float32, seed=5)
+        prefix = None
+    calls = []
+    for n, split in ((70, 16), (41, 16), (38, 32), (70, None), (3, 16)):
+        kw = dict(shared_prefix=prefix, prefix_split_len=16 if shared else None, split_len=split,
+                  block_n=16 if split else None)
+        nf = torch.tensor([n], device=DEV)
+        monkeypatch.setattr(da, "MERGE_IN_PARTIAL", True)
+        merged = decode_attention(q, k, v, valid, nf, **kw)
+        monkeypatch.setattr(da, "MERGE_IN_PARTIAL", False)
+        separate = decode_attention(q, k, v, valid, nf, **kw)
+        assert torch.equal(merged, separate), (n, split)
+        calls.append(n)
+    counters = da._ARRIVALS[q.device]
+    assert int(counters.abs().sum()) == 0  # every launch set its counts back to zero
+    assert da._arrivals(q.device, da.ARRIVAL_SLOTS + 1) is None  # too many (row, head) pairs: the merge kernel
+    assert len(calls) == 5
+
+
+def test_counters_are_reserved_by_eager_callers_only(monkeypatch):
+    """The op never allocates its counters (it may run inside a CUDA graph's memory pool, where a
+    buffer that outlives the graph must not live): the eager wrapper and the compiled sampler reserve
+    them before the first launch; without them the merge kernel runs, with the same bits."""
+    from torchtune.models.qwen2._component_builders import qwen2
+
+    from logitless.rl.rollout import CompiledSampler
+
+    monkeypatch.setattr(da, "_ARRIVALS", {})
+    q, k, v, valid = _problem(2, 3, 16, 70, torch.float32, seed=6)
+    nf = torch.tensor([53], device=DEV)
+    raw = torch.ops.logitless.decode_attention(q, k, v, valid, nf, 0.25, 16, 16, 0, 0, False)
+    assert da._ARRIVALS == {}
+    eager = decode_attention(q, k, v, valid, nf, scale=0.25, split_len=16, block_n=16)
+    assert set(da._ARRIVALS) == {q.device}
+    assert torch.equal(raw, eager)
+    monkeypatch.setattr(da, "_ARRIVALS", {})
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=97, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64,
+                  max_seq_len=64, tie_word_embeddings=True).eval().to(DEV)
+    sampler = CompiledSampler(compile=False, decode_attention="split_k")
+    sampler(model, [[5, 6, 7]], max_new_tokens=3, stop_tokens=[1], pad_id=0, num_generations=2, temperature=0)
+    assert set(da._ARRIVALS) == {q.device}
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(q=torch.zeros(3, 6)), "expected q \\(B, Hq, D\\)"),
     (dict(q=torch.zeros(3, 5, 16)), "Hq a multiple of Hkv"),
@@ -263,12 +314,13 @@ for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("
                                ("fp32", 64, 3, False)):
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64",
                 "col0_ptr": "i64", "width_ptr": "i64", "covered_ptr": "i64", "seg_start_ptr": "i32",
-                "seg_rows_ptr": "i32"}
+                "seg_rows_ptr": "i32", "arrivals_ptr": "i32"}
     wide = dtype == "fp32"
     for prefix in (False, True):
         shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SLOTS=6 + 4 * prefix, SLOT0=4 * prefix,
                       SPLIT_LEN=256, PREFIX_SPLIT_LEN=128, HAS_PREFIX=prefix, PDL=pdl)
-        kernels = [(da.decode_partial_kernel, dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide), da.NUM_WARPS),
+        # the partial kernel with the merge of the row's last program inside (the default launch)
+        kernels = [(da.decode_partial_kernel, dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide, MERGE=True), da.NUM_WARPS),
                    (da.decode_merge_kernel, {}, 4)]
         if prefix:
             m_pad = triton.next_power_of_2(da.MAX_PREFIX_QUERIES // group * group)

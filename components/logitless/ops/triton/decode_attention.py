@@ -12,7 +12,10 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   weighted sum ``acc`` of the values, written to an fp32 workspace. A split that starts at or
   beyond ``n_filled`` loads and writes nothing: the merge never reads it. A split whose keys are
   all masked (left padding) writes the empty partial ``m = -inf``, ``l = 0``, ``acc = 0``.
-* ``decode_merge_kernel``, grid ``(B, Hkv)``: merges the splits below ``cdiv(n_filled, split_len)``
+* the merge: the last partial program of a (row, K/V head) to finish (an arrival count per pair,
+  :func:`reserve_arrivals`) merges that row's partials itself; without reserved counters
+  ``decode_merge_kernel``, grid ``(B, Hkv)``, does, with the same sums. It merges the splits below
+  ``cdiv(n_filled, split_len)``
   (the non-empty ones) of the ``G`` query heads into ``acc / l`` in the query's dtype; a row with
   no valid key at all gets 0, as SDPA gives for a fully masked row.
 
@@ -58,7 +61,8 @@ from torch import Tensor
 from logitless.ops.dispatch import _interpreting
 
 __all__ = ["SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
-           "group_segments", "prefix_rows", "prefix_split_len_for", "resolve_launch", "shared_prefix_segments",
+           "group_segments", "prefix_rows", "prefix_split_len_for", "reserve_arrivals", "resolve_launch",
+           "shared_prefix_segments",
            "supports_programmatic_launch"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,6 +86,34 @@ PROGRAMS_PER_SM = 1
 MAX_PREFIX_QUERIES, PREFIX_BLOCK_N, PREFIX_NUM_WARPS = 128, 64, 8
 #: Bounds of the automatic prefix split length (columns): about one program per SM over a full cache.
 MIN_PREFIX_SPLIT, MAX_PREFIX_SPLIT = 128, 1024
+
+
+#: The last partial program of a (row, K/V head) merges its row (``decode_partial_kernel``'s
+#: ``MERGE``) instead of a separate ``decode_merge_kernel`` launch; the counters it needs are
+#: :data:`ARRIVAL_SLOTS` int32 per device (:func:`reserve_arrivals`), kept at zero between launches.
+#: False: the merge kernel.
+MERGE_IN_PARTIAL, ARRIVAL_SLOTS = True, 1 << 16
+_ARRIVALS = {}
+
+
+def reserve_arrivals(device: torch.device) -> None:
+    """Allocates ``device``'s arrival counters for the merge inside the partial kernel, once.
+
+    Call it outside ``torch.compile`` and CUDA-graph capture (a compiled caller, such as the
+    compiled sampler, calls it before its first step): the counters must live outside any graph's
+    memory pool, since every launch leaves them at zero for the next. Until it is called, the
+    kernels merge with :func:`decode_merge_kernel`.
+    """
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+
+
+def _arrivals(device: torch.device, needed: int) -> Optional[Tensor]:
+    """The device's arrival counters (zeros), or None where the merge kernel must run instead: none
+    reserved yet (:func:`reserve_arrivals`), or more than :data:`ARRIVAL_SLOTS` (row, K/V head)
+    pairs. One stream at a time may use them."""
+    counters = _ARRIVALS.get(device)
+    return counters if counters is not None and needed <= counters.numel() else None
 
 
 class SharedPrefix(NamedTuple):
@@ -209,9 +241,11 @@ def decode_partial_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd,
     stride_mb, stride_ml,
     L, scale,
+    arrivals_ptr, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr, WIDE_DOT: tl.constexpr, PDL: tl.constexpr,
+    MERGE: tl.constexpr = False, PREFIX_SPLIT_LEN: tl.constexpr = 1,
 ):
     """Grid ``(B, Hkv, splits)``: the online-softmax partial of columns
     ``[col0 + split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V
@@ -222,6 +256,12 @@ def decode_partial_kernel(
     and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
     interpreter, whose bf16 ``tl.dot`` returns garbage (triton 3.9). ``PDL``: launched as a
     programmatic dependent launch, so it waits for the previous kernel before its first load.
+
+    ``MERGE``: the last program of a (row, K/V head) to finish also merges its partials into the
+    output, as :func:`decode_merge_kernel` would (one launch fewer). Every program counts itself in
+    ``arrivals[row * Hkv + head]`` (int32, zero before the launch) after its stores; the one that
+    brings the count to the number of splits merges, in slot order (the same sums as the merge
+    kernel's, so the same output bits), and sets the count back to zero for the next launch.
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -251,6 +291,14 @@ def decode_partial_kernel(
     tl.store(m_ptr + row, m_i, mask=keep)
     tl.store(l_ptr + row, l_i, mask=keep)
     tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+    if MERGE:
+        tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
+        counter = arrivals_ptr + b * tl.num_programs(1) + h
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
+                       tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
+                       HAS_PREFIX)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -304,16 +352,47 @@ def decode_prefix_kernel(
 
 @triton.jit
 def _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, row, g_ok, d, D_PAD: tl.constexpr):
-    """Folds one slot's partial (rows ``row`` of the workspace) into the running merge."""
-    m = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"))
+    """Folds one slot's partial (rows ``row`` of the workspace) into the running merge (loads through
+    L2: in the partial kernel's merge, other programs of the same launch wrote them)."""
+    m = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
     m_new = tl.maximum(m_all, m)
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split without a valid key weighs 0
     w_all = tl.exp(m_all - ref)
     w = tl.exp(m - ref)
-    l_all = l_all * w_all + tl.load(l_ptr + row, mask=g_ok, other=0.0) * w
+    l_all = l_all * w_all + tl.load(l_ptr + row, mask=g_ok, other=0.0, cache_modifier=".cg") * w
     o = o * w_all[:, None] + tl.load(acc_ptr + row[:, None] * D_PAD + d[None, :], mask=g_ok[:, None],
-                                     other=0.0) * w[:, None]
+                                     other=0.0, cache_modifier=".cg") * w[:, None]
     return m_new, l_all, o
+
+
+@triton.jit
+def _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h, hkv,
+               G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+               NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr,
+               PREFIX_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """Merges the non-empty partials of the ``G`` query heads of K/V head ``h`` of row ``b`` into
+    their outputs: with ``HAS_PREFIX``, the prefix splits of a row inside a segment (rows below
+    ``covered``), then the splits from ``col0`` on (one slot's ``(G, D)`` tile at a time)."""
+    prefix_used = 0
+    if HAS_PREFIX:
+        prefix_used = tl.where(b < tl.load(covered_ptr), tl.cdiv(col0, PREFIX_SPLIT_LEN), 0)
+    used = tl.cdiv(n - col0, SPLIT_LEN)  # the splits past n_filled are empty: not read
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    d = tl.arange(0, D_PAD)
+    m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_all = tl.zeros([G_PAD], tl.float32)
+    o = tl.zeros([G_PAD, D_PAD], tl.float32)
+    first = (b * hkv + h) * NUM_SLOTS
+    for slot in range(0, prefix_used):
+        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + slot) * G + g, g_ok, d, D_PAD)
+    for split in range(0, used):
+        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + SLOT0 + split) * G + g, g_ok,
+                                      d, D_PAD)
+    o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no valid key at all: 0
+    heads = h * G + g
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < D)[None, :])
 
 
 @triton.jit
@@ -332,27 +411,10 @@ def decode_merge_kernel(
     h = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(n_ptr), L).to(tl.int32)
     col0 = 0
-    prefix_used = 0
     if HAS_PREFIX:
         col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
-        prefix_used = tl.where(b < tl.load(covered_ptr), tl.cdiv(col0, PREFIX_SPLIT_LEN), 0)
-    used = tl.cdiv(n - col0, SPLIT_LEN)  # the splits past n_filled are empty: not read
-    g = tl.arange(0, G_PAD)
-    g_ok = g < G
-    d = tl.arange(0, D_PAD)
-    m_all = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_all = tl.zeros([G_PAD], tl.float32)
-    o = tl.zeros([G_PAD, D_PAD], tl.float32)
-    first = (b * tl.num_programs(1) + h) * NUM_SLOTS
-    for slot in range(0, prefix_used):
-        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + slot) * G + g, g_ok, d, D_PAD)
-    for split in range(0, used):
-        m_all, l_all, o = _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, (first + SLOT0 + split) * G + g, g_ok,
-                                      d, D_PAD)
-    o = o / tl.where(l_all > 0, l_all, 1.0)[:, None]  # no valid key at all: 0
-    heads = h * G + g
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d < D)[None, :])
+    _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
+               tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN, HAS_PREFIX)
 
 
 def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132) -> int:
@@ -543,17 +605,20 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
             BLOCK_N=min(PREFIX_BLOCK_N, prefix_split_len), WIDE_DOT=wide, PDL=pdl,
             num_warps=PREFIX_NUM_WARPS if m_pad * d_pad > 64 * 128 else 4, num_stages=num_stages, launch_pdl=pdl,
         )
+    arrivals = _arrivals(q.device, b * hkv) if MERGE_IN_PARTIAL else None
+    outs = (covered, out, out.stride(0), out.stride(1), out.stride(2))
     decode_partial_kernel[(b, hkv, splits)](
-        q, k, v, key_valid, n_filled, width, m, l, acc, *strides, length, scale,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
-        BLOCK_N=block_n, HAS_PREFIX=prefix is not None, WIDE_DOT=wide, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        q, k, v, key_valid, n_filled, width, m, l, acc, *strides, length, scale, arrivals if arrivals is not None else m,
+        *outs, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
+        BLOCK_N=block_n, HAS_PREFIX=prefix is not None, WIDE_DOT=wide, PDL=pdl, MERGE=arrivals is not None,
+        PREFIX_SPLIT_LEN=prefix_split_len, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
-    decode_merge_kernel[(b, hkv)](
-        m, l, acc, n_filled, width, covered, out, out.stride(0), out.stride(1), out.stride(2), length,
-        G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
-        PREFIX_SPLIT_LEN=prefix_split_len, HAS_PREFIX=prefix is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
-    )
+    if arrivals is None:
+        decode_merge_kernel[(b, hkv)](
+            m, l, acc, n_filled, width, *outs, length,
+            G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
+            PREFIX_SPLIT_LEN=prefix_split_len, HAS_PREFIX=prefix is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
     return out
 
 
@@ -705,6 +770,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
         raise ValueError(f"decode_attention: prefix_split_len must be None or a power of two >= 16, got "
                          f"{prefix_split_len!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        reserve_arrivals(q.device)
     if shared_prefix is None:
         return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n or 0,
                                                     num_warps or 0, num_stages or 0, bool(programmatic_launch))

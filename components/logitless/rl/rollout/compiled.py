@@ -71,6 +71,17 @@ def _register_decode_attention() -> None:
     importlib.import_module("logitless.ops.triton.decode_attention")
 
 
+def _register_counter_draw() -> None:
+    # registers the op logitless::counter_draw (imports triton)
+    importlib.import_module("logitless.ops.triton.counter_sampling")
+
+
+def _kernel_draw(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
+    """Whether the step draws through the Triton op ``logitless::counter_draw``: on CUDA, without
+    top-k / top-p (the filters need a sort; :func:`sample_counter` keeps them)."""
+    return logits.is_cuda and top_k is None and (top_p is None or top_p >= 1.0) and logits.stride(-1) == 1
+
+
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
     """The self-attention modules of a torchtune decoder, in layer order."""
     from torchtune.modules import MultiHeadAttention
@@ -212,8 +223,11 @@ def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logi
     step's input; ``t`` advances. All in place, no host sync: it runs inside the captured graph."""
     temperature, top_k, top_p, pad_id = draw
     step = shared["t"]
-    nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p,
-                               token_hash=shared["token_hash"])
+    if _kernel_draw(logits, top_k, top_p):  # the same draw in two launches (ops/triton/counter_sampling.py)
+        nxt, logp = torch.ops.logitless.counter_draw(logits, rows["keys"], step, float(temperature))
+    else:
+        nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   token_hash=shared["token_hash"])
     _write(rows, shared, nxt, logp, pad_id)
 
 
@@ -241,7 +255,7 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
 
     Runs the trunk on the rows' last tokens; with ``draw`` (temperature, top_k, top_p, pad_id) it
     also samples and writes the next token (:func:`_record`) and returns None, else it returns the
-    ``(rows, V)`` fp32 logits. Positions and the column advance in place. ``columns`` (the column
+    ``(rows, V)`` logits (the head GEMM's dtype). Positions and the column advance in place. ``columns`` (the column
     indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
     its length turns dynamic at its first change (one recompilation), after which each window size is
     one more CUDA graph. ``fused`` holds each layer's concatenated projections
@@ -272,7 +286,9 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
                            fused[index] if fused else None, filled)
 
-    logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer)
+    # the head GEMM's dtype: every draw upcasts as it reads (no fp32 copy of the logits)
+    logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer,
+                                  upcast=False)
     input_pos.add_(1)
     col.add_(1)
     if draw is None:
@@ -753,6 +769,11 @@ class CompiledSampler:
         step = self._step_fn(device)
         graphs = self._use_compile(device) and device.type == "cuda"
         counter = self.draws == "counter"
+        if counter and _kernel_draw(logits, top_k, top_p):
+            _register_counter_draw()  # before tracing: the step calls the op
+        if self.uses_split_k(device):
+            # the split-K kernels' counters, outside the CUDA graphs' memory pool
+            importlib.import_module("logitless.ops.triton.decode_attention").reserve_arrivals(device)
         grouped = self._grouped_everywhere(model)
         fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)

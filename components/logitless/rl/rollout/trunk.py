@@ -69,7 +69,7 @@ def run_decoding_layer(layer: nn.Module, h: torch.Tensor, *, mask: torch.Tensor,
 
 def last_position_logits(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor,
                          weight: Optional[torch.Tensor] = None,
-                         run_layer: Optional[LayerRunner] = None) -> torch.Tensor:
+                         run_layer: Optional[LayerRunner] = None, upcast: bool = True) -> torch.Tensor:
     """Runs the decoder trunk and projects only the last position: ``(B, V)`` fp32 logits.
 
     Mirrors ``TransformerDecoder.forward`` up to the final norm, then applies the head weight to one
@@ -85,9 +85,11 @@ def last_position_logits(model: nn.Module, tokens: torch.Tensor, *, input_pos: t
             (tied, untied or LoRA merged).
         run_layer (Optional[LayerRunner]): runs one layer on ``h``; None = :func:`run_decoding_layer`
             with ``mask`` and ``input_pos``.
+        upcast (bool): return fp32 logits; False returns the head GEMM's output dtype, for a consumer
+            that upcasts as it reads (no fp32 copy written; the values are the same).
 
     Returns:
-        torch.Tensor: ``(B, V)`` fp32 logits of the last position.
+        torch.Tensor: ``(B, V)`` logits of the last position (fp32 with ``upcast``).
 
     Example:
         >>> logits = last_position_logits(model, tokens, input_pos=pos, mask=mask)   # (B, V)
@@ -97,7 +99,8 @@ def last_position_logits(model: nn.Module, tokens: torch.Tensor, *, input_pos: t
 
         weight = head_weight(model)
     h = decoder_hidden(model, tokens, input_pos=input_pos, mask=mask, run_layer=run_layer)
-    return F.linear(model.norm(h[:, -1]), weight).float()
+    logits = F.linear(model.norm(h[:, -1]), weight)
+    return logits.float() if upcast else logits
 
 
 def decoder_hidden(model: nn.Module, tokens: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor,

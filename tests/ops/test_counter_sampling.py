@@ -1,0 +1,109 @@
+"""The compiled sampler's Triton draw (``logitless.ops.triton.counter_sampling``) against the PyTorch
+reference :func:`sample_counter`, in the interpreter at small odd shapes (CUDA on a GPU)."""
+
+import pytest
+import torch
+
+from logitless.ops.triton.counter_sampling import counter_draw, counter_draw_splits
+from logitless.rl.rollout import CompiledSampler, compiled, prompt_generators
+from logitless.rl.rollout.sampling import sample_counter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problem(rows, vocab, dtype=torch.float32, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * scale).to(dtype)
+    keys = torch.randint(0, 2**62, (rows,), generator=g)
+    return logits.to(DEVICE), keys.to(DEVICE), torch.tensor([11], device=DEVICE)
+
+
+@pytest.mark.parametrize("rows,vocab", [(3, 5000), (5, 37), (1, 2049), (2, 9001)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0], ids=["T1", "T0.7", "greedy"])
+def test_counter_draw_equals_sample_counter(rows, vocab, temperature):
+    logits, keys, step = _problem(rows, vocab)
+    tokens, logp = counter_draw(logits, keys, step, temperature=temperature)
+    ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=temperature)
+    assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
+    assert torch.equal(tokens, ref_tokens)
+    exact = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logp.double(), exact, rtol=0, atol=1e-5)
+
+
+def test_several_spans_per_row_are_folded_in_order():
+    # 9001 columns: 5 spans of 2048 columns; a tie across spans goes to the first
+    assert counter_draw_splits(2, 9001) == 5
+    logits = torch.zeros(2, 9001, device=DEVICE)
+    logits[0, [100, 4500, 9000]] = 5.0   # three spans hold the max: the first column wins, as argmax picks
+    logits[1, [8000, 2100]] = 5.0
+    tokens, logp = counter_draw(logits, torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                                torch.zeros(1, dtype=torch.int64, device=DEVICE), temperature=0.0)
+    assert tokens.tolist() == [100, 2100] == logits.argmax(dim=1).tolist()
+    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1], [100, 2100]])
+
+
+def test_masked_tokens_are_never_drawn_and_bf16_logits_are_read_as_fp32():
+    logits, keys, _ = _problem(4, 3000, dtype=torch.bfloat16)
+    logits[:, 7:] = float("-inf")  # only tokens 0..6 are possible
+    for t in range(20):
+        step = torch.tensor([t], device=DEVICE)
+        tokens, logp = counter_draw(logits, keys, step, temperature=1.0)
+        ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=1.0)
+        assert bool((tokens < 7).all()) and torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
+
+
+def test_a_rows_draw_does_not_depend_on_the_batch():
+    logits, keys, step = _problem(6, 4099)
+    tokens, logp = counter_draw(logits, keys, step, temperature=1.0)
+    order = torch.tensor([4, 0, 5], device=DEVICE)
+    part, part_logp = counter_draw(logits[order], keys[order], step, temperature=1.0)
+    assert torch.equal(part, tokens[order])
+    assert torch.equal(part_logp, logp[order])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(logits=torch.zeros(2, 3, 4)), "logits"),
+    (dict(logits=torch.zeros(5, 2).t()), "logits"),
+    (dict(logits=torch.zeros(2, 5, dtype=torch.int64)), "logits"),
+    (dict(keys=torch.zeros(3, dtype=torch.int64)), "keys"),
+    (dict(keys=torch.zeros(2, dtype=torch.int32)), "keys"),
+    (dict(step=torch.zeros(2, dtype=torch.int64)), "step"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_bad_arguments_are_named(bad, match):
+    args = dict(logits=torch.zeros(2, 5), keys=torch.zeros(2, dtype=torch.int64), step=torch.zeros(1, dtype=torch.int64),
+                temperature=1.0)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        counter_draw(args["logits"].to(DEVICE), args["keys"].to(DEVICE), args["step"].to(DEVICE),
+                     temperature=args["temperature"])
+
+
+def test_the_sampler_draws_the_same_tokens_through_the_kernel(monkeypatch):
+    from torchtune.models.qwen2._component_builders import qwen2
+
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=301, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64,
+                  max_seq_len=128, tie_word_embeddings=True).eval().to(DEVICE)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+    def sample():
+        sampler = CompiledSampler(compile=False, compaction=True, min_bucket=2, sync_every=1)
+        return sampler(model, prompts, pad_id=0, num_generations=4, max_new_tokens=12, stop_tokens=list(range(1, 301, 9)),
+                       temperature=1.0, generator=prompt_generators(0, 3, range(len(prompts))))
+
+    reference = sample()
+    calls = []
+    real = compiled._kernel_draw
+
+    def forced(logits, top_k, top_p):
+        calls.append(1)
+        return top_k is None and top_p is None  # the kernel on the CPU too (interpreter)
+
+    monkeypatch.setattr(compiled, "_kernel_draw", forced if DEVICE == "cpu" else real)
+    kernel = sample()
+    assert DEVICE == "cuda" or calls
+    assert torch.equal(kernel.completion_tokens, reference.completion_tokens)
+    assert torch.equal(kernel.completion_mask, reference.completion_mask)
+    torch.testing.assert_close(kernel.sampler_log_probs, reference.sampler_log_probs, rtol=0, atol=1e-5)
