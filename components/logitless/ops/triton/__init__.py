@@ -13,7 +13,9 @@ This package's public names; the code lives in its modules:
 * :mod:`~logitless.ops.triton.decode_attention` -- :func:`decode_attention`, split-K attention of one
   new token per row over a static KV cache (the compiled sampler's decode step), its kernels and
   its ``torch.library`` op (the package attribute of that name is the function; import the module
-  with ``importlib.import_module`` to reach its other names).
+  with ``importlib.import_module`` to reach its other names);
+* :mod:`~logitless.ops.triton.counter_sampling` -- ``counter_draw``, the compiled sampler's
+  counter-based draw of the next token and its log-prob in two launches (op ``logitless::counter_draw``).
 
 Example:
     >>> import torch
