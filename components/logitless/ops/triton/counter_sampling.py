@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
+from logitless.ops.triton.decode_attention import _num_sms
 
 __all__ = ["counter_draw", "counter_draw_splits"]
 
@@ -141,8 +142,7 @@ def counter_draw_splits(rows: int, vocab: int, num_sms: int = 132) -> int:
 def _counter_draw_op(logits: Tensor, keys: Tensor, step: Tensor, temperature: float) -> Tuple[Tensor, Tensor]:
     """``(tokens int64, logp fp32)``, each ``(B,)``; see :func:`counter_draw`."""
     b, v = logits.shape
-    num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 132
-    splits = counter_draw_splits(b, v, num_sms)
+    splits = counter_draw_splits(b, v, _num_sms(logits.device))
     span = triton.cdiv(triton.cdiv(v, splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(v, span)
     best = torch.empty(b, splits, dtype=torch.float32, device=logits.device)

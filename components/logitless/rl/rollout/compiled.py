@@ -66,9 +66,9 @@ DECODE_ATTENTION = ("auto", "sdpa", "split_k")
 SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_HEAD_DIM, SHARED_PROMPT_MIN_ROWS = 1024, 128, 32
 
 
-def _register_decode_attention() -> None:
-    # registers the op logitless::decode_attention (imports triton)
-    importlib.import_module("logitless.ops.triton.decode_attention")
+def _register_decode_attention():
+    # registers the op logitless::decode_attention (imports triton); returns its module
+    return importlib.import_module("logitless.ops.triton.decode_attention")
 
 
 def _register_counter_draw() -> None:
@@ -255,10 +255,10 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
 
     Runs the trunk on the rows' last tokens; with ``draw`` (temperature, top_k, top_p, pad_id) it
     also samples and writes the next token (:func:`_record`) and returns None, else it returns the
-    ``(rows, V)`` logits (the head GEMM's dtype). Positions and the column advance in place. ``columns`` (the column
-    indices ``0 .. W-1`` of a window holding every filled column) limits attention to the window;
-    its length turns dynamic at its first change (one recompilation), after which each window size is
-    one more CUDA graph. ``fused`` holds each layer's concatenated projections
+    ``(rows, V)`` logits (the head GEMM's dtype). Positions and the column advance in place.
+    ``columns`` (the column indices ``0 .. W-1`` of a window holding every filled column) limits
+    attention to the window; its length turns dynamic at its first change (one recompilation), after
+    which each window size is one more CUDA graph. ``fused`` holds each layer's concatenated projections
     (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
     attend through the split-K kernel, whose reads follow the filled columns (``col + 1``, a device
     tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
@@ -773,7 +773,7 @@ class CompiledSampler:
             _register_counter_draw()  # before tracing: the step calls the op
         if self.uses_split_k(device):
             # the split-K kernels' counters, outside the CUDA graphs' memory pool
-            importlib.import_module("logitless.ops.triton.decode_attention").reserve_arrivals(device)
+            _register_decode_attention().reserve_arrivals(device)
         grouped = self._grouped_everywhere(model)
         fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)
