@@ -41,7 +41,7 @@ from logitless.rl.update import grpo_update
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
                                          fsdp_options, load_resumed_weights, setup_process, wrap_model)
 from logitless.training.cli import report_errors
-from logitless.training.distributed import launched_world_size
+from logitless.training.distributed import free_finished_run, launched_world_size
 from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import NonFiniteGuard
@@ -219,8 +219,10 @@ class GRPORecipe:
 
 @report_errors
 def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
-    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2."""
+    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
+    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
     GRPORecipe(cfg, distributed=distributed).run()
+    free_finished_run()
 
 
 @config.parse

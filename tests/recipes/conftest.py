@@ -39,3 +39,17 @@ def tune_cli():
                                 env={k: v for k, v in full_env.items() if v is not None})
 
     return launch
+
+
+@pytest.fixture
+def one_rank_launch(monkeypatch):
+    """The environment ``torchrun --nproc_per_node 1`` gives a rank, so a recipe with
+    ``distributed=True`` runs in this process on a one-rank process group (left on return)."""
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ import glob
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from logitless.rl.completion_log import read_completions
-from grpo_single_device import GRPORecipe
+from grpo_single_device import GRPORecipe, run_grpo
 from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
 
@@ -84,6 +85,22 @@ def test_exact_resume(tmp_path, extra):
     else:
         a, b = _weights(tmp_path / "a" / "step_000004"), _weights(tmp_path / "b" / "step_000004")
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_entry_point_frees_the_finished_run_before_it_returns(tmp_path, monkeypatch, one_rank_launch):
+    """The policy, its optimizer and the sampler are gone when ``run_grpo`` returns: sharded modules
+    left to the interpreter's exit can abort a finished distributed run (gloo, SIGABRT after the
+    final checkpoint); FSDP2 on a one-rank group puts them in reference cycles."""
+    alive = []
+    cleanup = GRPORecipe.cleanup
+
+    def watch(self):
+        alive.extend(weakref.ref(o) for o in (self.model, self.optimizer, self.sampler))
+        cleanup(self)
+
+    monkeypatch.setattr(GRPORecipe, "cleanup", watch)
+    run_grpo(tiny_cfg(tmp_path, "max_steps=1"), distributed=True)
+    assert len(alive) == 3 and [r() for r in alive] == [None] * 3
 
 
 def test_full_finetune_with_frozen_reference(tmp_path):

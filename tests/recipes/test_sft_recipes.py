@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+import weakref
 
 import pathlib
 
@@ -21,7 +22,7 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 from logitless.training import CheckpointManager, ConfigError, complete_checkpoints, read_disk_log
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import verify_checkpoint
-from full_sft_single_device import SFTRecipe
+from full_sft_single_device import SFTRecipe, run_sft
 from logitless.training.sft_config import validate_sft_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -44,6 +45,22 @@ def tiny_config(name: str, out, **overrides):
 
 FAST = dict(max_steps=12, batch_size=4, gradient_accumulation_steps=1, save_every_n_steps=None,
             lr_scheduler__num_warmup_steps=1)
+
+
+def test_the_entry_point_frees_the_finished_run_before_it_returns(repo_cwd, tmp_path, monkeypatch, one_rank_launch):
+    """The model, its optimizer and the training step are gone when ``run_sft`` returns: sharded
+    modules left to the interpreter's exit can abort a finished distributed run (gloo, SIGABRT);
+    FSDP2 on a one-rank group puts them in reference cycles."""
+    alive = []
+    cleanup = SFTRecipe.cleanup
+
+    def watch(self):
+        alive.extend(weakref.ref(o) for o in (self.model, self.optimizer, self.train_step))
+        cleanup(self)
+
+    monkeypatch.setattr(SFTRecipe, "cleanup", watch)
+    run_sft(tiny_config("tiny_lora", tmp_path, **dict(FAST, max_steps=1)), lora=True, distributed=True)
+    assert len(alive) == 3 and [r() for r in alive] == [None] * 3
 
 
 def logged_losses(out):
