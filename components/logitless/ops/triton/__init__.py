@@ -15,7 +15,10 @@ This package's public names; the code lives in its modules:
   its ``torch.library`` op (the package attribute of that name is the function; import the module
   with ``importlib.import_module`` to reach its other names);
 * :mod:`~logitless.ops.triton.counter_sampling` -- ``counter_draw``, the compiled sampler's
-  counter-based draw of the next token and its log-prob in two launches (op ``logitless::counter_draw``).
+  counter-based draw of the next token and its log-prob in two launches (op ``logitless::counter_draw``);
+* :mod:`~logitless.ops.triton.decode_linear` -- ``decode_linear``, a decode step's linear layer (or
+  gated MLP activation) for a few rows, split over columns and the reduction (op
+  ``logitless::decode_linear``; the compiled sampler's opt-in ``decode_linear="triton"``).
 
 Example:
     >>> import torch
