@@ -57,6 +57,13 @@ def completions(rollout):
     return [t[m].tolist() for t, m in zip(rollout.completion_tokens, rollout.completion_mask)]
 
 
+def record_compactions(sampler):
+    """The bucket sizes ``sampler`` compacts into from now on, in order (a list that fills as it runs)."""
+    sizes, compact = [], sampler._compact
+    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    return sizes
+
+
 def uncompiled(**kw):
     return CompiledSampler(compile=False, **kw)
 
@@ -357,9 +364,7 @@ def test_compiled_step_with_compaction_is_one_graph_for_every_bucket():
     kw = dict(max_new_tokens=16, stop_tokens=list(range(1, VOCAB, 4)), pad_id=0, num_generations=4,
               temperature=1.0)
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1)
-    sizes = []
-    compact = sampler._compact
-    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    sizes = record_compactions(sampler)
     out = sampler(model, prompts, generator=prompt_generators(0, 0, range(5)), **kw)
     assert len(sizes) >= 2  # 20 rows -> 10 -> 5 -> ... as rows finish
     assert counters["stats"]["unique_graphs"] == 1  # the batch dimension is dynamic: no recompilation
@@ -430,11 +435,8 @@ def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch
     stops = sorted({int(free[2 * p, 1 + p]) for p in range(len(prompts))})  # rows end at different steps
     runs = {}
     for attention in ("sdpa", "split_k"):
-        moves = []
         sampler = uncompiled(decode_attention=attention, min_bucket=2, sync_every=1, cache_len_multiple=16)
-        compact = sampler._compact
-        sampler._compact = lambda state, bucket, size, pad_id: moves.append(size) or compact(state, bucket, size,
-                                                                                             pad_id)
+        moves = record_compactions(sampler)
         runs[attention] = sampler(model, prompts, stop_tokens=stops, **kw)
         assert moves  # compaction ran: 10 rows -> 5 -> ...
     sdpa, split_k = runs["sdpa"], runs["split_k"]
@@ -489,12 +491,9 @@ def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_pad
     kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4, temperature=1.0)
     runs, segments = {}, {}
     for share in (False, True):
-        moves = []
         sampler = uncompiled(decode_attention="split_k", shared_prompt_decode=share, min_bucket=2, sync_every=1,
                              keep_cache=True, cache_len_multiple=16)
-        compact = sampler._compact
-        sampler._compact = lambda state, bucket, size, pad_id: moves.append(size) or compact(state, bucket, size,
-                                                                                             pad_id)
+        moves = record_compactions(sampler)
         launches.clear()
         runs[share] = sampler(model, prompts, generator=prompt_generators(0, 0, range(len(prompts))), **kw)
         assert moves  # 20 rows -> 10 -> ...
@@ -525,9 +524,7 @@ def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa
               temperature=1.0)
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
                               decode_attention="split_k", attention_window=4, shared_prompt_decode=shared_prompt)
-    sizes = []
-    compact = sampler._compact
-    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    sizes = record_compactions(sampler)
     out = sampler(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
     assert sizes  # 12 rows -> 6 -> ...
     # one graph: neither the buckets nor the filled length (no window with split-K) recompile it
@@ -568,12 +565,9 @@ def test_decode_linear_samples_as_cublas_through_compaction(monkeypatch, lora):
     kw["stop_tokens"] = sorted({int(free[2 * p, 1 + p]) for p in range(len(prompts))})  # rows end at different steps
     runs = {}
     for kernel in ("cublas", "triton"):
-        moves = []
         sampler = uncompiled(decode_linear=kernel, fused_projections=True, decode_attention="split_k", min_bucket=2,
                              sync_every=1, cache_len_multiple=16)
-        compact = sampler._compact
-        sampler._compact = lambda state, bucket, size, pad_id: moves.append(size) or compact(state, bucket, size,
-                                                                                             pad_id)
+        moves = record_compactions(sampler)
         runs[kernel] = sampler(model, prompts, **kw)
         assert moves
     assert runs["cublas"].completion_lengths.min() < runs["cublas"].completion_lengths.max()
@@ -600,9 +594,7 @@ def test_decode_linear_compiled_step_is_one_graph_for_every_bucket():
               temperature=1.0)
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
                               decode_attention="split_k", decode_linear="triton", fused_projections=True)
-    sizes = []
-    compact = sampler._compact
-    sampler._compact = lambda state, bucket, size, pad_id: sizes.append(size) or compact(state, bucket, size, pad_id)
+    sizes = record_compactions(sampler)
     out = sampler(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
     assert sizes
     assert counters["stats"]["unique_graphs"] == 1

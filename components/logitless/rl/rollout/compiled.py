@@ -153,10 +153,11 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     programmatic launch)`` runs it through :func:`logitless.ops.triton.decode_linear` where it takes
     the operands (few rows, one dtype, a plain tensor on CUDA or under the interpreter); None = cuBLAS."""
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    if linear is not None and rows <= 128 and weight.dtype == x.dtype and not isinstance(weight, DTensor) \
-            and (x.is_cuda or _interpreting()):
+    if linear is not None:
         if _decode_linear is None:
             raise RuntimeError("decode_linear is not registered: call _register_decode_linear() before the step")
+    if linear is not None and rows <= _decode_linear.MAX_ROWS and weight.dtype == x.dtype \
+            and not isinstance(weight, DTensor) and (x.is_cuda or _interpreting()):
         n = weight.shape[0] // (2 if gated else 1)
         launch = _decode_linear.decode_linear_launch(n, k, gated, linear[0])
         out = _decode_linear.decode_linear(x.reshape(rows, k), weight.contiguous(), bias, gated=gated, launch=launch,
