@@ -105,8 +105,9 @@ def methods(args, cache_len, filled, prefix=None):
     """``(method, launch parameters, callable(q, k, v, valid, n_filled))`` of one configuration;
     split-K once per (split length: ``auto`` and ``--split-lens``) x ``--block-ns`` x ``--warps`` x
     ``--stages`` x ``--programmatic`` (None: the kernel's default); ``split_k_shared`` (with
-    ``prefix``, a SharedPrefix) at the kernel's default launch once per ``--prefix-split-lens`` x
-    ``--prefix-block-ns`` x ``--prefix-warps`` (the last two set the module's constants)."""
+    ``prefix``, a SharedPrefix) once per ``--prefix-split-lens`` x ``--prefix-block-ns`` x
+    ``--prefix-warps`` (these two set the module's constants) x split length of the rows' own
+    columns (``auto`` and ``--split-lens``)."""
     from logitless.ops.triton import decode_attention
     module = _kernel_module()
 
@@ -120,14 +121,16 @@ def methods(args, cache_len, filled, prefix=None):
         elif name == "split_k_shared":
             if prefix is None:
                 continue
-            for split, block_n, warps in itertools.product([None] + args.prefix_split_lens,
-                                                           args.prefix_block_ns or [module.PREFIX_BLOCK_N],
-                                                           args.prefix_warps or [module.PREFIX_NUM_WARPS]):
-                launch = dict(prefix_split_len=split, prefix_block_n=block_n, prefix_warps=warps)
+            for split, block_n, warps, row_split in itertools.product(
+                    [None] + args.prefix_split_lens, args.prefix_block_ns or [module.PREFIX_BLOCK_N],
+                    args.prefix_warps or [module.PREFIX_NUM_WARPS], [None] + args.split_lens):
+                launch = dict(prefix_split_len=split, prefix_block_n=block_n, prefix_warps=warps,
+                              split_len="auto" if row_split is None else row_split)
 
-                def call(q, k, v, m, n, split=split, block_n=block_n, warps=warps):
+                def call(q, k, v, m, n, split=split, block_n=block_n, warps=warps, row_split=row_split):
                     module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS = block_n, warps
-                    return decode_attention(q, k, v, m, n, shared_prefix=prefix, prefix_split_len=split)
+                    return decode_attention(q, k, v, m, n, shared_prefix=prefix, prefix_split_len=split,
+                                            split_len=row_split)
 
                 out.append((name, launch, call))
         else:
@@ -215,7 +218,10 @@ def bench(args):
                     if name == "split_k":
                         row.update(resolved_launch(launch, rows, hkv, args.cache_len, device))
                     if name == "split_k_shared":  # the prompt read once per group
-                        row.update(launch, prompt_len=args.prompt_len, group=args.group,
+                        split = launch["split_len"]
+                        row.update(launch, resolved_split_len=_kernel_module().resolve_launch(
+                                       rows, hkv, args.cache_len, device, 0 if split == "auto" else split)[0],
+                                   prompt_len=args.prompt_len, group=args.group,
                                    bytes=nbytes - (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled))
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
@@ -227,7 +233,7 @@ def bench(args):
                     except Exception as exc:  # one failing configuration must not hide the others' numbers
                         row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
                     module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS = defaults
-                    tag = " ".join(f"{k}={row[k]}" for k in ("resolved_split_len", "block_n", "num_warps", "num_stages",
+                    tag = " ".join(f"{k}={row[k]}" for k in ("split_len", "resolved_split_len", "block_n", "num_warps", "num_stages",
                                                              "programmatic", "prefix_split_len", "prefix_block_n",
                                                              "prefix_warps") if k in row)
                     print(f"[{model} rows={rows} filled={filled}] {name:>11} {tag}: {row.get('us', '-')} us "

@@ -97,23 +97,33 @@ def test_shared_prefix_matches_float64_as_well_as_sdpa_at_qwen_shapes(model):
                 assert err(ours) <= 1.5 * sdpa + (1e-6 if dtype == torch.float32 else 0.0), (dtype, n, split)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per_row", "shared_prefix"])
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(model):
+def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(model, shared):
     # programmatic dependent launches let a kernel start while the one before finishes: the output
-    # must not change, also when a graph chains many calls that each read the previous one's output
+    # must not change, also when a graph chains many calls that each read the previous one's output.
+    # With a shared prefix the row kernel starts while the prefix kernel streams 1024 columns and
+    # its rows only 76: a merge that did not wait for the prefix partials would read them unwritten
     from logitless.ops.triton import decode_attention
-    from logitless.ops.triton.decode_attention import supports_programmatic_launch
+    from logitless.ops.triton.decode_attention import (SharedPrefix, group_segments, prefix_rows,
+                                                       supports_programmatic_launch)
 
     if not supports_programmatic_launch(torch.device("cuda")):
         pytest.skip("needs a GPU of compute capability 9.0 or later")
     hq, hkv, dim = SHAPES[model]
     q, k, v, valid = _problem(hq, hkv, dim, 64, torch.bfloat16, seed=7)
     nf = torch.tensor([1100], device="cuda")
+    prefix = None
+    if shared:
+        per = prefix_rows(hq // hkv, 16)
+        start, seg_rows = group_segments(torch.arange(64, device="cuda"), 16, per, 4)
+        prefix = SharedPrefix(torch.tensor([1024], device="cuda"), start, seg_rows, torch.tensor([64], device="cuda"),
+                              per)
 
     def chain(programmatic):
         x = q
         for _ in range(8):  # each call's query is the last one's output
-            x = decode_attention(x, k, v, valid, nf, programmatic_launch=programmatic)
+            x = decode_attention(x, k, v, valid, nf, programmatic_launch=programmatic, shared_prefix=prefix)
         return x
 
     plain = chain(False)
@@ -124,7 +134,7 @@ def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(mode
     with torch.cuda.graph(graph):
         x = x_in
         for _ in range(8):
-            x = decode_attention(x, k, v, valid, nf, programmatic_launch=True)
+            x = decode_attention(x, k, v, valid, nf, programmatic_launch=True, shared_prefix=prefix)
     for _ in range(3):
         graph.replay()
         assert torch.equal(x, plain)

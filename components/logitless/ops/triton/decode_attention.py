@@ -39,7 +39,8 @@ a few thousand columns): the split length's floor (``MIN_SPLIT``) from a sweep a
 block, stages and programs per SM from a sweep at 16 and 64 rows, the warps a guess. On Hopper the
 kernels are programmatic dependent launches (:func:`supports_programmatic_launch`): the partial
 kernel is scheduled while the kernel before it (the query's rotary embedding) finishes, the merge
-while the partials finish.
+while the partials finish; after a shared prefix's kernel, the partial kernel streams its rows'
+columns while the prefix programs stream theirs, and waits for them only before its merge.
 
 Example:
     >>> q = torch.randn(8, 14, 64, device="cuda", dtype=torch.bfloat16)          # (B, Hq, D)
@@ -262,8 +263,14 @@ def decode_partial_kernel(
     ``arrivals[row * Hkv + head]`` (int32, zero before the launch) after its stores; the one that
     brings the count to the number of splits merges, in slot order (the same sums as the merge
     kernel's, so the same output bits), and sets the count back to zero for the next launch.
+
+    With ``HAS_PREFIX`` and ``PDL`` the kernel before it is :func:`decode_prefix_kernel`, which lets it
+    launch as soon as all its programs have passed their own wait: everything this kernel reads but
+    the prefix partials (the query, the cache, the fill) was written before that, so its programs
+    stream their columns while the prefix programs stream theirs, and wait for them only after their
+    own stores, before the merge (and before exiting, so that the next kernel's wait covers both).
     """
-    if PDL:
+    if PDL and not HAS_PREFIX:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -291,6 +298,8 @@ def decode_partial_kernel(
     tl.store(m_ptr + row, m_i, mask=keep)
     tl.store(l_ptr + row, l_i, mask=keep)
     tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+    if PDL and HAS_PREFIX:  # the prefix partials are complete and visible past this point
+        tl.extra.cuda.gdc_wait()
     if MERGE:
         tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
         counter = arrivals_ptr + b * tl.num_programs(1) + h
@@ -319,9 +328,13 @@ def decode_prefix_kernel(
     from the segment's first row: its ``rows x G`` queries are one ``M_PAD``-row operand of the
     products, so the shared keys and values cost one read per segment, not one per row. Writes
     workspace slot ``split`` of each of those rows; a segment of 0 rows reads and writes nothing.
+
+    ``PDL``: it waits for the previous kernel, then at once lets the partial kernel launch, whose
+    programs read only what was written before this kernel until they wait for it.
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -342,8 +355,6 @@ def decode_prefix_kernel(
     m_i, l_i, acc = _attend(q, k_ptr + r0 * stride_kb + h * stride_kh, v_ptr + r0 * stride_vb + h * stride_vh,
                             valid_ptr + r0 * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
                             start, end, scale, M_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + split) * G + g
     tl.store(m_ptr + row, m_i, mask=live)
     tl.store(l_ptr + row, l_i, mask=live)
