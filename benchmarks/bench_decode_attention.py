@@ -42,7 +42,8 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
-from bench_generation import _gpu_name, _table, _version, copy_bandwidth, results_csv  # noqa: E402
+from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
+                              results_csv)
 from bench_sft import _add_columns  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
@@ -218,11 +219,11 @@ def bench(args):
                     if name == "split_k":
                         row.update(resolved_launch(launch, rows, hkv, args.cache_len, device))
                     if name == "split_k_shared":  # the prompt read once per group
-                        split = launch["split_len"]
-                        row.update(launch, resolved_split_len=_kernel_module().resolve_launch(
-                                       rows, hkv, args.cache_len, device, 0 if split == "auto" else split)[0],
-                                   prompt_len=args.prompt_len, group=args.group,
-                                   bytes=nbytes - (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled))
+                        split = 0 if launch["split_len"] == "auto" else launch["split_len"]
+                        shared = (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled)
+                        resolved = module.resolve_launch(rows, hkv, args.cache_len, device, split)[0]
+                        row.update(launch, prompt_len=args.prompt_len, group=args.group, bytes=nbytes - shared,
+                                   resolved_split_len=resolved)
                     try:
                         diff = (fn(q, k, v, valid, n_filled).float() - reference).abs().max().item()
                         seconds = time_call(lambda: fn(q, k, v, valid, n_filled), device, args.reps, args.iters)
@@ -233,9 +234,9 @@ def bench(args):
                     except Exception as exc:  # one failing configuration must not hide the others' numbers
                         row.update(status=f"error: {type(exc).__name__}: {str(exc)[:120]}")
                     module.PREFIX_BLOCK_N, module.PREFIX_NUM_WARPS = defaults
-                    tag = " ".join(f"{k}={row[k]}" for k in ("split_len", "resolved_split_len", "block_n", "num_warps", "num_stages",
-                                                             "programmatic", "prefix_split_len", "prefix_block_n",
-                                                             "prefix_warps") if k in row)
+                    tag = " ".join(f"{k}={row[k]}" for k in ("split_len", "resolved_split_len", "block_n", "num_warps",
+                                                             "num_stages", "programmatic", "prefix_split_len",
+                                                             "prefix_block_n", "prefix_warps") if k in row)
                     print(f"[{model} rows={rows} filled={filled}] {name:>11} {tag}: {row.get('us', '-')} us "
                           f"({row.get('of_copy_bw', '-')} of copy bw) max_diff {row.get('max_diff', '-')} "
                           f"{row['status']}", flush=True)
@@ -279,13 +280,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/decode_attention_<gpu>.csv)")
     args = ap.parse_args(argv)
-    args.models, args.methods = args.models.split(","), args.methods.split(",")
-    for name in args.models:
-        if name not in SHAPES:
-            ap.error(f"--models: unknown {name!r}, expected some of {list(SHAPES)}")
-    for name in args.methods:
-        if name not in METHODS:
-            ap.error(f"--methods: unknown {name!r}, expected some of {list(METHODS)}")
+    args.models = comma_choices(ap, "--models", args.models, SHAPES)
+    args.methods = comma_choices(ap, "--methods", args.methods, METHODS)
     if not args.programmatic or set(args.programmatic) - {0, 1}:
         ap.error(f"--programmatic: expected 1 and/or 0, got {args.programmatic}")
     for n in args.filled:

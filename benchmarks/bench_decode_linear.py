@@ -36,10 +36,12 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
-from bench_decode_attention import time_call  # noqa: E402
-from bench_generation import _gpu_name, _table, _version, copy_bandwidth, results_csv  # noqa: E402
+from bench_decode_attention import _ints, time_call  # noqa: E402
+from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
+                              results_csv)
 from bench_sft import _add_columns  # noqa: E402
 
+from logitless.ops.triton.decode_attention import _num_sms  # noqa: E402
 from logitless.ops.triton.decode_linear import (DecodeLinearLaunch, decode_linear,  # noqa: E402
                                                 decode_linear_launch, decode_linear_reference)
 
@@ -55,7 +57,8 @@ FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "product", "n", "k"
 def product_shapes(model):
     """``{product: (n, k, gated, bias)}``: ``n`` output columns (gated: per half) of a ``k``-wide input."""
     hidden, heads, kv_heads, head_dim, inter = MODELS[model]
-    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden, False, True), "o": (hidden, heads * head_dim, False, False),
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden, False, True),
+            "o": (hidden, heads * head_dim, False, False),
             "gate_up": (inter, hidden, True, False), "down": (hidden, inter, False, False)}
 
 
@@ -102,7 +105,7 @@ def bench(args):
                 methods = [("cublas", None, lambda w: F.linear(x, w, bias))]
                 if gated:
                     methods.append(("cublas_act", None, lambda w: act(F.linear(x, w))))
-                default = decode_linear_launch(n, k, gated, torch.cuda.get_device_properties(device).multi_processor_count)
+                default = decode_linear_launch(n, k, gated, _num_sms(device))
                 methods += [("triton", default, None), ("triton_pdl", default, None)]
                 if args.sweep:
                     methods += [("triton_sweep", launch, None) for launch in sweep_launches(k, gated)]
@@ -114,7 +117,8 @@ def bench(args):
                     if launch is not None:
                         row.update(block_n=launch.block_n, block_k=launch.block_k, splits=launch.splits(k),
                                    num_warps=launch.num_warps, num_stages=launch.num_stages)
-                        fn = (lambda w, launch=launch, pdl=name == "triton_pdl", g=gated and name != "triton_sweep_plain":
+                        g = gated and name != "triton_sweep_plain"
+                        fn = (lambda w, launch=launch, pdl=name == "triton_pdl", g=g:
                               decode_linear(x, w, None if gated else bias, gated=g, launch=launch, programmatic=pdl))
                     try:
                         got = fn(weights[0]).double()
@@ -151,10 +155,6 @@ TABLE_COLUMNS = ["model", "rows", "product", "method", "block_n", "block_k", "sp
                  "us", "roofline_us", "of_copy_bw", "max_err", "status"]
 
 
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {list(MODELS)}")
@@ -166,13 +166,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/decode_linear_<gpu>.csv)")
     args = ap.parse_args(argv)
-    args.models, args.products = args.models.split(","), args.products.split(",")
-    for name in args.models:
-        if name not in MODELS:
-            ap.error(f"--models: unknown {name!r}, expected some of {list(MODELS)}")
-    for name in args.products:
-        if name not in PRODUCTS:
-            ap.error(f"--products: unknown {name!r}, expected some of {list(PRODUCTS)}")
+    args.models = comma_choices(ap, "--models", args.models, MODELS)
+    args.products = comma_choices(ap, "--products", args.products, PRODUCTS)
     if not torch.cuda.is_available() or args.device == "cpu":
         ap.error("needs a CUDA device (the methods are timed as CUDA graphs)")
     return args

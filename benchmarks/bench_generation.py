@@ -386,6 +386,16 @@ def _ints(text):
     return [int(x) for x in text.split(",")]
 
 
+def comma_choices(ap, flag, text, allowed):
+    """The names of the comma list ``text`` given to ``flag``, each one of ``allowed`` (else the
+    parser's error naming the flag, the name and the choices)."""
+    names = text.split(",")
+    for name in names:
+        if name not in allowed:
+            ap.error(f"{flag}: unknown {name!r}, expected some of {list(allowed)}")
+    return names
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {list(MODELS)}")
@@ -402,23 +412,15 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true", help="profile the first model, rows and new_tokens only")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_roofline_<gpu>.csv)")
     args = ap.parse_args(argv)
-    args.models, args.samplers = args.models.split(","), args.samplers.split(",")
-    args.decode_attention = args.decode_attention.split(",")
-    for name in args.decode_attention:
-        if name not in ATTENTIONS:
-            ap.error(f"--decode-attention: unknown {name!r}, expected some of {list(ATTENTIONS)}")
+    args.decode_attention = comma_choices(ap, "--decode-attention", args.decode_attention, ATTENTIONS)
     try:
         args.compiled_options = parse_options(args.compiled_options)
     except (ValueError, SyntaxError):
         ap.error(f"--compiled-options: expected key=value pairs of Python literals, got {args.compiled_options!r}")
     if "decode_attention" in args.compiled_options:
         ap.error("--compiled-options: choose the decode attention with --decode-attention")
-    for name in args.models:
-        if name not in MODELS:
-            ap.error(f"--models: unknown {name!r}, expected some of {list(MODELS)}")
-    for name in args.samplers:
-        if name not in SAMPLERS:
-            ap.error(f"--samplers: unknown {name!r}, expected some of {list(SAMPLERS)}")
+    args.models = comma_choices(ap, "--models", args.models, MODELS)
+    args.samplers = comma_choices(ap, "--samplers", args.samplers, SAMPLERS)
     for r in args.rows:
         if r < GROUP or r % GROUP:
             ap.error(f"--rows: {r} is not a positive multiple of G={GROUP}")

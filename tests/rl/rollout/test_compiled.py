@@ -511,8 +511,10 @@ def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_pad
     torch.testing.assert_close(runs[True].sampler_log_probs, runs[False].sampler_log_probs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("shared_prompt", [False, True])
-def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa(shared_prompt):
+def _one_graph_for_every_bucket_samples_as_eager(**options):
+    """A compiled sampler with ``options`` (split-K, compaction down to buckets of 2) samples in one
+    graph, recompiled neither by the buckets nor by the filled length, the tokens, mask and log-probs
+    of the uncompiled sampler without compaction."""
     from torch._dynamo.utils import counters
 
     from logitless.rl.rollout import prompt_generators
@@ -523,16 +525,21 @@ def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa
     kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4,
               temperature=1.0)
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
-                              decode_attention="split_k", attention_window=4, shared_prompt_decode=shared_prompt)
+                              decode_attention="split_k", **options)
     sizes = record_compactions(sampler)
     out = sampler(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
     assert sizes  # 12 rows -> 6 -> ...
-    # one graph: neither the buckets nor the filled length (no window with split-K) recompile it
     assert counters["stats"]["unique_graphs"] == 1
     ref = uncompiled(compaction=False)(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
     assert torch.equal(out.completion_tokens, ref.completion_tokens)
     assert torch.equal(out.completion_mask, ref.completion_mask)
     torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shared_prompt", [False, True])
+def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa(shared_prompt):
+    # split-K reads up to the filled length without a window: the window of 4 recompiles nothing
+    _one_graph_for_every_bucket_samples_as_eager(attention_window=4, shared_prompt_decode=shared_prompt)
 
 
 def test_decode_linear_runs_the_kernel_only_when_asked():
@@ -583,22 +590,4 @@ def test_decode_linear_samples_as_cublas_through_compaction(monkeypatch, lora):
 
 
 def test_decode_linear_compiled_step_is_one_graph_for_every_bucket():
-    from torch._dynamo.utils import counters
-
-    from logitless.rl.rollout import prompt_generators
-
-    torch._dynamo.reset()
-    counters.clear()
-    model = tiny(seed=2).eval()
-    kw = dict(max_new_tokens=8, stop_tokens=list(range(1, VOCAB, 3)), pad_id=0, num_generations=4,
-              temperature=1.0)
-    sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16, min_bucket=2, sync_every=1,
-                              decode_attention="split_k", decode_linear="triton", fused_projections=True)
-    sizes = record_compactions(sampler)
-    out = sampler(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
-    assert sizes
-    assert counters["stats"]["unique_graphs"] == 1
-    ref = uncompiled(compaction=False)(model, PROMPTS, generator=prompt_generators(0, 0, range(3)), **kw)
-    assert torch.equal(out.completion_tokens, ref.completion_tokens)
-    assert torch.equal(out.completion_mask, ref.completion_mask)
-    torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, atol=1e-5, rtol=0)
+    _one_graph_for_every_bucket_samples_as_eager(decode_linear="triton", fused_projections=True)
