@@ -7,7 +7,7 @@ is run under ``torch.profiler`` and every CUDA kernel is put in one category by 
 - ``attention``: flash / memory-efficient / cuDNN / FlexAttention kernels
 - ``head``: logitless's Triton head kernels (statistics, dlogits, token objective)
 - ``fused``: other Triton kernels (inductor's fused elementwise / reductions under ``torch.compile``,
-  the compiled sampler's draw)
+  the compiled sampler's draw and its decode step's rotary + cache write)
 - ``elementwise``: PyTorch's eager elementwise and reduction kernels (norms, rotary, activations,
   residual adds, casts: memory-bound work that ``torch.compile`` would fuse)
 - ``optimizer``: the optimizer's multi-tensor kernels and gradient-norm reductions
@@ -43,7 +43,7 @@ _PATTERNS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("head", ("row_stats_kernel", "merge_slab_kernel", "finalize_state_kernel", "finalize_kernel",
               "dlogits_kernel", "col_stats_kernel", "dlogits_t_kernel", "scale_kernel", "token_objective",
               "logitless")),
-    ("fused", ("triton_", "counter_draw_kernel", "counter_pick_kernel")),
+    ("fused", ("triton_", "counter_draw_kernel", "counter_pick_kernel", "decode_rotary_cache_kernel")),
     ("elementwise", ("elementwise", "reduce_kernel", "norm", "softmax", "unrolled", "vectorized",
                      "silu", "rotary", "activation")),
 )

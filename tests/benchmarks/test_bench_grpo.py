@@ -47,6 +47,7 @@ NAMED = {
     "decode_prefix_kernel": "attention",  # a shared prompt's columns (was 'other')
     "counter_draw_kernel": "fused",  # the compiled sampler's draw
     "counter_pick_kernel": "fused",
+    "decode_rotary_cache_kernel": "fused",  # the step's rotary and cache write, as inductor's kernels it replaces
 }
 
 

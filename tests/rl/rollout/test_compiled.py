@@ -454,15 +454,21 @@ def test_shared_prompt_decode_rule():
     from logitless.rl.rollout import compiled
 
     cpu = torch.device("cpu")
-    model = tiny()  # head_dim 8
+    model = tiny()  # 2 K/V heads of 8: a prompt needs 2^13 columns to reach the rule's elements
     auto = CompiledSampler(decode_attention="split_k")
-    wide = compiled.SHARED_PROMPT_MIN_WIDTH
+    min_elements, wide = compiled.SHARED_PROMPT_MIN_ELEMENTS, compiled.SHARED_PROMPT_MIN_WIDTH
     assert not auto.uses_shared_prompt(model, cpu, 8, wide)  # a small head: the per-row kernel measured faster
+    assert auto.uses_shared_prompt(model, cpu, 8, min_elements // 16)
+    assert not auto.uses_shared_prompt(model, cpu, 8, min_elements // 16 - 1)
     big_heads = tiny(kv_heads=2)
     for attn in compiled._attention_modules(big_heads):
-        attn.head_dim = compiled.SHARED_PROMPT_MIN_HEAD_DIM
+        attn.head_dim = 128  # Qwen2.5-1.5B's K/V heads: 512 columns
+    assert auto.uses_shared_prompt(big_heads, cpu, 8, 512)
+    assert not auto.uses_shared_prompt(big_heads, cpu, 8, 511)  # a short prompt
+    for attn in compiled._attention_modules(big_heads):
+        attn.num_kv_heads, attn.head_dim = 8, 128  # Llama-3-8B's: the elements at 128 columns, not the width
     assert auto.uses_shared_prompt(big_heads, cpu, 8, wide)
-    assert not auto.uses_shared_prompt(big_heads, cpu, 8, wide - 1)  # a short prompt
+    assert not auto.uses_shared_prompt(big_heads, cpu, 8, wide - 1)
     assert not auto.uses_shared_prompt(big_heads, cpu, 1, wide)  # nothing shared with one completion per prompt
     forced = CompiledSampler(decode_attention="split_k", shared_prompt_decode=True)
     assert forced.uses_shared_prompt(model, cpu, 2, 1) and not forced.uses_shared_prompt(model, cpu, 1, 1)
@@ -509,6 +515,36 @@ def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_pad
     assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)
     assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
     torch.testing.assert_close(runs[True].sampler_log_probs, runs[False].sampler_log_probs, atol=1e-5, rtol=0)
+
+
+def _tiny_llama3(version):
+    """A two-layer torchtune Llama 3 (``RotaryPositionalEmbeddings``) or 3.1 (``Llama3ScaledRoPE``)."""
+    from torchtune.models.llama3._component_builders import llama3
+    from torchtune.models.llama3_1._component_builders import llama3_1
+
+    torch.manual_seed(4)
+    build = llama3 if version == "3" else llama3_1
+    return _soften(build(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=128,
+                         intermediate_dim=64))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "llama3_1"])
+def test_split_k_step_rotates_and_writes_the_cache_in_one_launch_as_the_module(monkeypatch, family):
+    model = (tiny(seed=2, tied=False) if family == "qwen2" else _tiny_llama3(family[len("llama"):])).eval()
+    prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
+    kw = dict(max_new_tokens=8, stop_tokens=[7, 11], pad_id=0, num_generations=2, temperature=1.0)
+    fused, runs = [], {}
+    rotary = compiled._fused_rotary
+    for name in ("module", "fused"):
+        choose = (lambda *a: None) if name == "module" else (lambda *a: fused.append(rotary(*a)) or fused[-1])
+        monkeypatch.setattr(compiled, "_fused_rotary", choose)
+        sampler = uncompiled(decode_attention="split_k", min_bucket=2, sync_every=1, cache_len_multiple=16)
+        runs[name] = sampler(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
+    assert fused and all(spec is not None for spec in fused)  # every layer of every step took the kernel
+    assert fused[0].interleaved == (family != "qwen2")
+    assert torch.equal(runs["fused"].completion_tokens, runs["module"].completion_tokens)
+    assert torch.equal(runs["fused"].completion_mask, runs["module"].completion_mask)
+    torch.testing.assert_close(runs["fused"].sampler_log_probs, runs["module"].sampler_log_probs, atol=1e-5, rtol=0)
 
 
 def _one_graph_for_every_bucket_samples_as_eager(**options):

@@ -18,7 +18,10 @@ This package's public names; the code lives in its modules:
   counter-based draw of the next token and its log-prob in two launches (op ``logitless::counter_draw``);
 * :mod:`~logitless.ops.triton.decode_linear` -- ``decode_linear``, a decode step's linear layer (or
   gated MLP activation) for a few rows, split over columns and the reduction (op
-  ``logitless::decode_linear``; the compiled sampler's opt-in ``decode_linear="triton"``).
+  ``logitless::decode_linear``; the compiled sampler's opt-in ``decode_linear="triton"``);
+* :mod:`~logitless.ops.triton.decode_rotary` -- ``decode_rotary_cache``, a decode step's rotary
+  embedding of q and k and its KV-cache write in one launch, reading the rotary module's own table
+  (op ``logitless::decode_rotary_cache``; the compiled sampler's split-K step).
 
 Example:
     >>> import torch

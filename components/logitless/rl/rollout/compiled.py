@@ -61,13 +61,16 @@ __all__ = ["CompiledSampler", "DECODE_ATTENTION", "DECODE_LINEAR", "generate"]
 DECODE_ATTENTION = ("auto", "sdpa", "split_k")
 #: The grouped decode step's linear layers (``CompiledSampler(decode_linear=...)``).
 DECODE_LINEAR = ("auto", "cublas", "triton")
-#: Where ``shared_prompt_decode=None`` reads each group's prompt once: prompts of at least this many
-#: columns, heads of at least this size and buckets of at least this many rows. On an H200, at 64
-#: rows (4 prompts x 16) and 1024-column prompts, the attention took 0.66-0.83x the per-row
-#: kernel's time at 1.5B and 0.50-0.72x at 7B, from 64 to 512 own columns; it took longer at 16
-#: rows, at head_dim 64 (0.5B), with 128-column prompts and, at 1.5B, with a 512-column prompt
-#: and 512 own columns (``benchmarks/results/decode_attention_shared_h200.csv``).
-SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_HEAD_DIM, SHARED_PROMPT_MIN_ROWS = 1024, 128, 32
+#: Where ``shared_prompt_decode=None`` reads each group's prompt once: prompts of at least
+#: ``SHARED_PROMPT_MIN_WIDTH`` columns whose K/V elements per row and layer (columns x K/V heads x
+#: head_dim) reach ``SHARED_PROMPT_MIN_ELEMENTS``, in buckets of at least ``SHARED_PROMPT_MIN_ROWS``
+#: rows. On an H200 at 64 rows (groups of 8 and 16), with the prefix kernel overlapping the rows'
+#: (``benchmarks/results/decode_attention_shared_threshold_h200.csv``), the attention took 0.53-1.00x
+#: the per-row kernel's time at 2^17 elements and above (Qwen2.5-0.5B with 1024-column prompts,
+#: 1.5B with 512 and 1024, 7B with 512), 0.74-0.90x at 1.5B with 256 columns but 0.82-1.14x at 0.5B
+#: with 512 (2^16 elements), and 0.96-1.22x with 128-column prompts; it took longer at 16 rows
+#: (``decode_attention_shared_h200.csv``).
+SHARED_PROMPT_MIN_ELEMENTS, SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_ROWS = 2 ** 17, 256, 32
 
 
 def _register_decode_attention():
@@ -75,17 +78,39 @@ def _register_decode_attention():
     return importlib.import_module("logitless.ops.triton.decode_attention")
 
 
-#: logitless.ops.triton.decode_linear once registered: the traced decode step reads it from here
+#: logitless.ops.triton.decode_linear and .decode_rotary once registered (decode_linear when asked
+#: for, decode_rotary with the split-K attention): the traced decode step reads them from here
 #: (importing inside the step would break the graph)
 _decode_linear = None
+_decode_rotary = None
 
 
 def _register_decode_linear():
     # registers the op logitless::decode_linear (imports triton); returns its module
     global _decode_linear
-    if _decode_linear is None:
-        _decode_linear = importlib.import_module("logitless.ops.triton.decode_linear")
+    _decode_linear = _decode_linear or importlib.import_module("logitless.ops.triton.decode_linear")
     return _decode_linear
+
+
+def _register_decode_rotary():
+    # registers the op logitless::decode_rotary_cache (imports triton); returns its module
+    global _decode_rotary
+    _decode_rotary = _decode_rotary or importlib.import_module("logitless.ops.triton.decode_rotary")
+    return _decode_rotary
+
+
+def _fused_rotary(attn: nn.Module, s: int, cache: Optional[Tuple[torch.Tensor, torch.Tensor]], split_k):
+    """The :class:`~logitless.ops.triton.decode_rotary.RotaryTable` of ``attn``'s rotary module where
+    the split-K step rotates and writes the caches in one launch (one token per row, a bucket's cache,
+    no q/k norms, a table covering every cache column), else None."""
+    if _decode_rotary is None or split_k is None or cache is None or s != 1:
+        return None
+    if attn.q_norm is not None or attn.k_norm is not None:
+        return None
+    spec = _decode_rotary.rotary_table(attn.pos_embeddings, attn.head_dim)
+    if spec is None or spec.table.shape[0] < cache[0].shape[2] or spec.table.device != cache[0].device:
+        return None
+    return spec
 
 
 def _register_counter_draw() -> None:
@@ -196,7 +221,10 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     :class:`~logitless.ops.triton.decode_attention.SharedPrefix` or None) one new token per row
     attends through the split-K kernel (:func:`logitless.ops.triton.decode_attention`), which reads
     the first ``n_filled`` columns of the cache only (each group's prompt columns once, with a
-    shared prefix), instead of SDPA under ``mask``. ``linear``: the projections' kernel (:func:`_project`).
+    shared prefix), instead of SDPA under ``mask``; where :func:`_fused_rotary` allows, the rotary
+    embedding of q and k and the cache write are one launch
+    (:func:`logitless.ops.triton.decode_rotary.decode_rotary_cache`) instead of the compiler's three or
+    four. ``linear``: the projections' kernel (:func:`_project`).
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -204,6 +232,12 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
         q, k, v = _project(x, *qkv, linear=linear).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    rotary = _fused_rotary(attn, s, cache, split_k)
+    if rotary is not None:  # rotary embedding and cache write in one launch
+        q = torch.ops.logitless.decode_rotary_cache(q.view(b, heads, dim), k.view(b, kv_heads, dim),
+                                                    v.view(b, kv_heads, dim), input_pos.view(b), *rotary, col,
+                                                    cache[0], cache[1], split_k[2])[:, :, None]
+        return _split_k_attention(attn, q, cache, split_k, linear)
     q = q.view(b, s, heads, dim)
     k = k.view(b, s, kv_heads, dim)
     v = v.view(b, s, kv_heads, dim)
@@ -225,15 +259,7 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         if window is not None:
             k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
     if split_k is not None:
-        # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-        key_valid, n_filled, programmatic, prefix = split_k
-        if prefix is None:
-            out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
-                                                       0, programmatic)
-        else:
-            out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
-                                                                     dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
-        return _linear_module(attn.output_proj, out.reshape(b, s, heads * dim), linear)
+        return _split_k_attention(attn, q, (k, v), split_k, linear)
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
     length = mask.shape[-1]
@@ -242,6 +268,23 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     # reshape, not view: some SDPA kernels (fp32 on CUDA) return a (B, L, H, D) memory layout.
     return _linear_module(attn.output_proj, out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim),
                           linear)
+
+
+def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], split_k: Tuple,
+                       linear: Optional[Tuple[int, bool]]) -> torch.Tensor:
+    """The output projection of one new token per row (``q``: ``(B, Hq, 1, D)``, rotated) attending
+    through the split-K kernel to the filled columns of ``cache`` (see :func:`_grouped_attention`)."""
+    b, heads, _, dim = q.shape
+    k, v = cache
+    # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
+    key_valid, n_filled, programmatic, prefix = split_k
+    if prefix is None:
+        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
+                                                   0, programmatic)
+    else:
+        out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
+                                                                 dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
+    return _linear_module(attn.output_proj, out.reshape(b, 1, heads * dim), linear)
 
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
@@ -316,8 +359,8 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     attention to the window; its length turns dynamic at its first change (one recompilation), after
     which each window size is one more CUDA graph. ``fused`` holds each layer's concatenated projections
     (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
-    attend through the split-K kernel, whose reads follow the filled columns (``col + 1``, a device
-    tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
+    attend through the split-K kernel, whose reads follow the filled columns (``shared["n_filled"]``,
+    ``col + 1``, a device tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
     split-K kernels are programmatic dependent launches; ``shared_prompt`` (> 0, with ``split_k``):
     the split-K kernels read each group's prompt columns once, for segments of at most that many
     rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``;
@@ -338,7 +381,10 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     prefix = None  # else the fields of a decode_attention.SharedPrefix
     if shared_prompt:
         prefix = (shared["prompt_width"], shared["seg_start"], shared["seg_rows"], shared["covered"], shared_prompt)
-    filled = (key_valid, col + 1, programmatic_launch, prefix) if split_k else None
+    # the filled count is a buffer of its own, not col + 1: the compiler would recompute that sum in a
+    # launch of its own before every layer's attention
+    n_filled = shared["n_filled"]
+    filled = (key_valid, n_filled, programmatic_launch, prefix) if split_k else None
     linear = (linear_sms, programmatic_launch) if linear_sms else None
 
     def run_layer(index, layer, h):
@@ -350,6 +396,7 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
                                   upcast=False)
     input_pos.add_(1)
     col.add_(1)
+    n_filled.add_(1)
     if draw is None:
         return logits
     _record(rows, shared, logits, draw)
@@ -443,10 +490,11 @@ class CompiledSampler:
             :class:`~logitless.ops.triton.decode_attention.SharedPrefix`), instead of once per row:
             the cache bytes a step reads fall by about ``(G - 1) / G`` of the prompt's share. It
             follows compaction (a group's live rows stay consecutive). None (default) = where it
-            measured faster: ``num_generations > 1``, a prompt width of at least
-            :data:`SHARED_PROMPT_MIN_WIDTH`, a head_dim of at least :data:`SHARED_PROMPT_MIN_HEAD_DIM`
-            and, per batch bucket, at least :data:`SHARED_PROMPT_MIN_ROWS` rows. True: whenever
-            ``num_generations > 1``; True without the split-K attention is an error. Same results
+            measured faster: ``num_generations > 1``, a prompt of at least
+            :data:`SHARED_PROMPT_MIN_WIDTH` columns and :data:`SHARED_PROMPT_MIN_ELEMENTS` K/V elements
+            per row and layer (columns x K/V heads x head_dim: 1024 columns at Qwen2.5-0.5B, 512 at
+            1.5B, 256 at 7B) and, per batch bucket, at least :data:`SHARED_PROMPT_MIN_ROWS` rows.
+            True: whenever ``num_generations > 1``; True without the split-K attention is an error. Same results
             either way.
         decode_linear (str): the grouped decode step's plain projections (q/k/v, output, MLP gate/up
             and down; LoRA-wrapped ones keep their modules). ``"triton"``:
@@ -567,9 +615,10 @@ class CompiledSampler:
                              f"{self.decode_attention!r} does not run on {device} (use 'split_k')")
         if not (split_k and num_generations > 1):
             return False
-        head_dim = _attention_modules(model)[0].head_dim
+        attn = _attention_modules(model)[0]
+        elements = width * attn.num_kv_heads * attn.head_dim  # one row's prompt keys (or values) in a layer
         return bool(self.shared_prompt_decode) or (width >= SHARED_PROMPT_MIN_WIDTH
-                                                   and head_dim >= SHARED_PROMPT_MIN_HEAD_DIM)
+                                                   and elements >= SHARED_PROMPT_MIN_ELEMENTS)
 
     def uses_programmatic_launch(self, device: torch.device) -> bool:
         """Whether the decode step's kernels on ``device`` are programmatic dependent launches
@@ -637,6 +686,7 @@ class CompiledSampler:
         vocab = weight.shape[0]
         shared = {  # one extra output row: where finished filler rows of a bucket write
             "col": torch.zeros(1, dtype=torch.long, device=device),
+            "n_filled": torch.ones(1, dtype=torch.long, device=device),  # col + 1: the columns attention reads
             "t": torch.zeros(1, dtype=torch.long, device=device),
             "out_tokens": torch.zeros(rows + 1, length, dtype=torch.long, device=device),
             "out_mask": torch.zeros(rows + 1, length, dtype=torch.bool, device=device),
@@ -855,6 +905,7 @@ class CompiledSampler:
         if self.uses_split_k(device):
             # the split-K kernels' counters, outside the CUDA graphs' memory pool
             _register_decode_attention().reserve_arrivals(device)
+            _register_decode_rotary()  # before tracing: the step calls the op
         linear_sms = 0  # the decode products' kernel: 0 = cuBLAS, else decode_linear tiled for this many SMs
         if self.uses_decode_linear(device):
             linear_sms = _register_decode_linear()._num_sms(device)  # before tracing: the step calls the op
@@ -878,6 +929,7 @@ class CompiledSampler:
         bucket["done"].fill_(False)
         bucket["slots"].copy_(torch.arange(rows, device=device))
         shared["col"].fill_(width)
+        shared["n_filled"].fill_(width + 1)
         shared["t"].zero_()
         shared["out_tokens"].fill_(pad_id)
         shared["out_mask"].zero_()
