@@ -42,6 +42,27 @@ def test_several_spans_per_row_are_folded_in_order():
     torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1], [100, 2100]])
 
 
+def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(monkeypatch):
+    # one span per row: each program walks 5 blocks of 2048 columns, a column per lane per block
+    from logitless.ops.triton import counter_sampling
+
+    monkeypatch.setattr(counter_sampling, "counter_draw_splits", lambda rows, vocab, num_sms=132: 1)
+    logits = torch.zeros(3, 9001, device=DEVICE)
+    logits[0, [2053, 4, 7000]] = 5.0  # lane 5 of block 1, lane 4 of block 0: column 4
+    logits[1, [5, 2053]] = 5.0  # one lane, blocks 0 and 1: column 5
+    logits[2, [4099, 2055]] = 5.0  # lane 3 of block 2, lane 7 of block 1: column 2055
+    zeros = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    tokens, logp = counter_draw(logits, zeros, zeros[:1], temperature=0.0)
+    assert tokens.tolist() == [4, 5, 2055] == logits.argmax(dim=1).tolist()
+    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1, 2], [4, 5, 2055]])
+    for temperature in (1.0, 0.7):
+        logits, keys, step = _problem(4, 9001, seed=5)
+        tokens, logp = counter_draw(logits, keys, step, temperature=temperature)
+        ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=temperature)
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+
+
 def test_masked_tokens_are_never_drawn_and_bf16_logits_are_read_as_fp32():
     logits, keys, _ = _problem(4, 3000, dtype=torch.bfloat16)
     logits[:, 7:] = float("-inf")  # only tokens 0..6 are possible
