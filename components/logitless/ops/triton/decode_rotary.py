@@ -29,7 +29,7 @@ Example:
     >>> v_cache = torch.zeros_like(k_cache)
     >>> pos = torch.full((64,), 1100, device="cuda")
     >>> col = torch.tensor([1100], device="cuda")
-    >>> q_rot = decode_rotary_cache(q, k, v, pos, rotary_table(rope.to("cuda")), col, k_cache, v_cache)
+    >>> q_rot = decode_rotary_cache(q, k, v, pos, rotary_table(rope.to("cuda"), 128), col, k_cache, v_cache)
 """
 
 from typing import NamedTuple, Optional
@@ -207,8 +207,8 @@ def _decode_rotary_cache_op(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, 
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_pos, stride_pair, sin_offset,
             HQ=hq, HKV=hkv, HQ_PAD=max(2, triton.next_power_of_2(hq)), HKV_PAD=max(2, triton.next_power_of_2(hkv)),
-            HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), INTERLEAVED=interleaved, ROUND_TABLE=round_table, PDL=pdl,
-            num_warps=4 if hq * d >= 2048 else 2, launch_pdl=pdl,
+            HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), INTERLEAVED=interleaved, ROUND_TABLE=round_table,
+            PDL=pdl, num_warps=4 if hq * d >= 2048 else 2, launch_pdl=pdl,
         )
     return out
 
