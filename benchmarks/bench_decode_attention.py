@@ -28,7 +28,6 @@ Example (H200):
 """
 
 import argparse
-import csv
 import datetime
 import importlib
 import itertools
@@ -44,7 +43,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
 from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
                               results_csv)
-from bench_sft import _add_columns  # noqa: E402
+from bench_sft import append_rows  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "7b": (28, 4, 128), "tiny": (6, 2, 16)}
 METHODS = ("sdpa_window", "sdpa_full", "split_k", "split_k_shared")
@@ -294,15 +293,8 @@ def main(argv=None):
     args = parse_args(argv)
     gpu = _gpu_name(torch.device(args.device))
     out = args.out or results_csv("decode_attention", gpu)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows, bandwidth = bench(args)
-    fields = _add_columns(Path(out), FIELDS)  # an older file gains new columns first
-    new_file = not os.path.exists(out)
-    with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        if new_file:
-            w.writeheader()
-        w.writerows(rows)
+    append_rows(Path(out), FIELDS, rows)
     print(f"\n{gpu} | torch {torch.__version__} | triton {_version('triton')} | copy {bandwidth / 1e9:.0f} GB/s | "
           f"cache {args.cache_len} columns | csv {out}")
     print(_table(rows, TABLE_COLUMNS))

@@ -25,7 +25,6 @@ Example (H200):
 """
 
 import argparse
-import csv
 import datetime
 import itertools
 import os
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling be
 from bench_decode_attention import _ints, time_call  # noqa: E402
 from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
                               results_csv)
-from bench_sft import _add_columns  # noqa: E402
+from bench_sft import append_rows  # noqa: E402
 
 from logitless.ops.triton.decode_attention import _num_sms  # noqa: E402
 from logitless.ops.triton.decode_linear import (DecodeLinearLaunch, decode_linear,  # noqa: E402
@@ -177,15 +176,8 @@ def main(argv=None):
     args = parse_args(argv)
     gpu = _gpu_name(torch.device(args.device))
     out = args.out or results_csv("decode_linear", gpu)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows, bandwidth = bench(args)
-    fields = _add_columns(Path(out), FIELDS)
-    new_file = not os.path.exists(out)
-    with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        if new_file:
-            w.writeheader()
-        w.writerows(rows)
+    append_rows(Path(out), FIELDS, rows)
     print(_table([r for r in rows if not r["method"].startswith("triton_sweep")], TABLE_COLUMNS))
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s | csv {out}")
 

@@ -198,6 +198,19 @@ def _add_columns(path: Path, fields) -> list:
     return merged
 
 
+def append_rows(path: Path, fields, rows) -> None:
+    """Appends ``rows`` (dicts; keys outside the header are dropped) to the CSV at ``path`` under
+    :func:`_add_columns`'s header, writing the header first into a new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _add_columns(path, fields)  # an older file gains the new columns first
+    new_file = not path.exists()
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore")
+        if new_file:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2_5_0_5b", choices=sorted(MODELS))
@@ -256,20 +269,13 @@ def main() -> None:
         r["head_mem_gib"] = r["peak_gib"] - base["peak_gib"] if base else float("nan")
         r["head_ms"] = r["step_ms"] - base["step_ms"] if base else float("nan")
     out = Path(a.out) if a.out else RESULTS / f"sft_{a.model}_{dev_name.replace(' ', '_')}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["model", "batch", "seq", "tokens", "variant", "status", "peak_gib", "step_ms", "tokens_per_s",
               "head_mem_gib", "head_ms", "max_batch", "ac", "compile", "head_gemm", "dtype", "device", "torch", "date"]
-    fields = _add_columns(out, fields)
-    new = not out.exists()
-    with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({**r, "model": a.model, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq,
-                        "ac": a.ac, "compile": a.compile, "head_gemm": head_gemm, "dtype": a.dtype, "device": dev_name,
-                        "torch": torch.__version__,
-                        "date": time.strftime("%Y-%m-%d %H:%M"), "max_batch": r.get("max_batch", "")})
+    append_rows(out, fields, [{**r, "model": a.model, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq,
+                               "ac": a.ac, "compile": a.compile, "head_gemm": head_gemm, "dtype": a.dtype,
+                               "device": dev_name, "torch": torch.__version__,
+                               "date": time.strftime("%Y-%m-%d %H:%M"), "max_batch": r.get("max_batch", "")}
+                              for r in rows])
     print("\n| variant | peak GiB | step ms | head GiB | head ms |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['peak_gib']:.2f} | {r['step_ms']:.0f} | {r['head_mem_gib']:.2f} | {r['head_ms']:.0f} |")

@@ -5,6 +5,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -53,3 +54,20 @@ def one_rank_launch(monkeypatch):
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def refs_at_cleanup(monkeypatch):
+    """``refs_at_cleanup(recipe_class, *names)``: a list that, when a recipe of that class cleans up,
+    fills with weak references to its ``names`` attributes (dead once the run is freed)."""
+    def watch(recipe_class, *names):
+        refs, cleanup = [], recipe_class.cleanup
+
+        def watched(self):
+            refs.extend(weakref.ref(getattr(self, name)) for name in names)
+            cleanup(self)
+
+        monkeypatch.setattr(recipe_class, "cleanup", watched)
+        return refs
+
+    return watch

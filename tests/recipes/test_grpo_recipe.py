@@ -5,7 +5,6 @@ import glob
 import os
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -87,18 +86,11 @@ def test_exact_resume(tmp_path, extra):
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_entry_point_frees_the_finished_run_before_it_returns(tmp_path, monkeypatch, one_rank_launch):
+def test_the_entry_point_frees_the_finished_run_before_it_returns(tmp_path, refs_at_cleanup, one_rank_launch):
     """The policy, its optimizer and the sampler are gone when ``run_grpo`` returns: sharded modules
     left to the interpreter's exit can abort a finished distributed run (gloo, SIGABRT after the
     final checkpoint); FSDP2 on a one-rank group puts them in reference cycles."""
-    alive = []
-    cleanup = GRPORecipe.cleanup
-
-    def watch(self):
-        alive.extend(weakref.ref(o) for o in (self.model, self.optimizer, self.sampler))
-        cleanup(self)
-
-    monkeypatch.setattr(GRPORecipe, "cleanup", watch)
+    alive = refs_at_cleanup(GRPORecipe, "model", "optimizer", "sampler")
     run_grpo(tiny_cfg(tmp_path, "max_steps=1"), distributed=True)
     assert len(alive) == 3 and [r() for r in alive] == [None] * 3
 

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import time
-import weakref
 
 import pathlib
 
@@ -47,18 +46,12 @@ FAST = dict(max_steps=12, batch_size=4, gradient_accumulation_steps=1, save_ever
             lr_scheduler__num_warmup_steps=1)
 
 
-def test_the_entry_point_frees_the_finished_run_before_it_returns(repo_cwd, tmp_path, monkeypatch, one_rank_launch):
+def test_the_entry_point_frees_the_finished_run_before_it_returns(repo_cwd, tmp_path, refs_at_cleanup,
+                                                                    one_rank_launch):
     """The model, its optimizer and the training step are gone when ``run_sft`` returns: sharded
     modules left to the interpreter's exit can abort a finished distributed run (gloo, SIGABRT);
     FSDP2 on a one-rank group puts them in reference cycles."""
-    alive = []
-    cleanup = SFTRecipe.cleanup
-
-    def watch(self):
-        alive.extend(weakref.ref(o) for o in (self.model, self.optimizer, self.train_step))
-        cleanup(self)
-
-    monkeypatch.setattr(SFTRecipe, "cleanup", watch)
+    alive = refs_at_cleanup(SFTRecipe, "model", "optimizer", "train_step")
     run_sft(tiny_config("tiny_lora", tmp_path, **dict(FAST, max_steps=1)), lora=True, distributed=True)
     assert len(alive) == 3 and [r() for r in alive] == [None] * 3
 
