@@ -187,3 +187,41 @@ def test_greedy_shared_prompt_decode_equals_per_row_split_k_token_for_token(two_
     assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
     assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)
     torch.testing.assert_close(runs[True].sampler_log_probs, runs[False].sampler_log_probs, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_new_token_in_a_cuda_graph_matches_rotating_and_writing_first(model):
+    """A NewToken at Qwen2.5 shapes, 64 rows, bf16, launched as the compiled step launches it (a
+    programmatic launch in a CUDA graph): the caches hold the key and value the separate rotary
+    kernel writes, and the output matches float64 as well as the plain kernel on its rotated query."""
+    import importlib
+
+    from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+
+    dr = importlib.import_module("logitless.ops.triton.decode_rotary")
+    da = importlib.import_module("logitless.ops.triton.decode_attention")
+    hq, hkv, dim = SHAPES[model]
+    rows, n = 64, 3001
+    _, k, v, valid = _problem(hq, hkv, dim, rows, torch.bfloat16, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * dim, generator=g, device="cuda").to(torch.bfloat16)
+    q, k_new, v_new = (t.view(rows, -1, dim) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+    spec = dr.rotary_table(Qwen2RotaryPositionalEmbeddings(dim, max_seq_len=4096).cuda(), dim)
+    positions = torch.randint(2900, 3000, (rows,), generator=g, device="cuda")
+    nf = torch.tensor([n], device="cuda")
+    k_want, v_want = k.clone(), v.clone()
+    q_rot = dr.decode_rotary_cache(q, k_new, v_new, positions, spec, nf - 1, k_want, v_want)
+    plain = da.decode_attention(q_rot, k_want, v_want, valid, nf)
+    token = da.NewToken(k_new, v_new, *dr.rotation_coefficients(spec, positions, dim, torch.bfloat16), False)
+    da.decode_attention(q, k.clone(), v.clone(), valid, nf, new_token=token)  # compile and reserve outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = da.decode_attention(q, k, v, valid, nf, new_token=token)
+    graph.replay()
+    torch.cuda.synchronize()
+    # the same fp32 rotation rounded once: equal up to the order of a product's terms (one ulp)
+    torch.testing.assert_close(k, k_want, rtol=8e-3, atol=1e-5)
+    assert torch.equal(v, v_want)
+    exact = _exact(q_rot, k_want, v_want, valid, n)
+    err = lambda x: ((x.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert err(out) <= 1.1 * err(plain) + 1e-4, (err(out), err(plain))

@@ -269,6 +269,67 @@ def test_counters_are_reserved_by_eager_callers_only(monkeypatch):
     assert set(da._ARRIVALS) == {q.device}
 
 
+def _new_token_problem(kind, hkv, group, dim, length, dtype, seed):
+    """An unrotated query and new key and value (views of one projection output, as the q/k/v GEMM
+    leaves them), torchtune's rotary module ``kind`` and random positions, over ``_problem``'s caches."""
+    from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    from logitless.ops.triton.decode_rotary import rotary_table, rotation_coefficients
+
+    _, k, v, valid = _problem(hkv, group, dim, length, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    hq = hkv * group
+    qkv = torch.randn(ROWS, (hq + 2 * hkv) * dim, generator=g).to(dtype).to(DEV)
+    q, k_new, v_new = (t.view(ROWS, -1, dim) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+    module = (RotaryPositionalEmbeddings if kind == "llama" else Qwen2RotaryPositionalEmbeddings)(dim, max_seq_len=96)
+    spec = rotary_table(module.to(DEV), dim)
+    positions = torch.randint(0, 96, (ROWS,), generator=g).to(DEV)
+    token = da.NewToken(k_new, v_new, *rotation_coefficients(spec, positions, dim, dtype), spec.interleaved)
+    return q, k, v, valid, token, spec, positions
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_new_token_is_rotated_written_and_attended_as_the_module_then_the_kernel(kind, dtype):
+    """With a NewToken the kernel writes the module's rotated key and the value at column n - 1 (no
+    other column), and attends as the plain kernel does to the query the module rotates."""
+    from logitless.ops.triton.decode_rotary import decode_rotary_cache_reference
+
+    for n in (1, 23, 37):  # the only column, inside a split after a full one, the last column
+        q, k, v, valid, token, spec, positions = _new_token_problem(kind, 2, 3, 16, 37, dtype, seed=n)
+        k_want, v_want = k.clone(), v.clone()
+        nf = torch.tensor([n], device=DEV)
+        q_rot = decode_rotary_cache_reference(q, token.k, token.v, positions, spec, nf - 1, k_want, v_want)
+
+        out = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16, new_token=token)
+
+        # the same fp32 products, rounded once (the interpreter rounds to nearest even, tests/ops/conftest.py)
+        assert torch.equal(k, k_want) and torch.equal(v, v_want)
+        exact = _float64(q_rot, k_want, v_want, valid, n)
+        plain = decode_attention(q_rot, k_want, v_want, valid, nf, split_len=16, block_n=16)
+        # the new column is folded in after the loop, not inside its last block: a rounding apart
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        ours, theirs = _err(out, exact), _err(plain, exact)
+        assert ours <= 1.5 * theirs + tolerance * 1e-2, (n, ours, theirs)
+        assert _err(out, exact) < tolerance
+
+
+def test_new_token_arguments_are_named_before_any_compute():
+    q, k, v, valid, token, _, _ = _new_token_problem("qwen2", 2, 3, 16, 37, torch.float32, seed=2)
+    nf = torch.tensor([5], device=DEV)
+    one_segment = (torch.zeros(1, dtype=torch.int32, device=DEV), torch.full((1,), ROWS, dtype=torch.int32, device=DEV))
+    prefix = da.SharedPrefix(nf, *one_segment, torch.tensor([ROWS], device=DEV), ROWS)
+    with pytest.raises(ValueError, match="new_token with shared_prefix is not supported"):
+        decode_attention(q, k, v, valid, nf, new_token=token, shared_prefix=prefix)
+    with pytest.raises(ValueError, match=r"new_token.cos must be contiguous float32 \(3, 16\)"):
+        decode_attention(q, k, v, valid, nf, new_token=token._replace(cos=token.cos.double()))
+    with pytest.raises(ValueError, match=r"new_token.v must be \(3, 2, 16\)"):
+        decode_attention(q, k, v, valid, nf, new_token=token._replace(v=token.v[:, :1]))
+    with pytest.raises(ValueError, match="q with a contiguous last dimension"):
+        decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, valid, nf, new_token=token)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(q=torch.zeros(3, 6)), "expected q \\(B, Hq, D\\)"),
     (dict(q=torch.zeros(3, 5, 16)), "Hq a multiple of Hkv"),
@@ -312,16 +373,21 @@ da = importlib.import_module("logitless.ops.triton.decode_attention")
 # the programmatic-launch build (gdc_wait, launch_pdl) is what an H200 runs; the plain one other GPUs
 for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("fp16", 128, 6, False),
                                ("fp32", 64, 3, False)):
-    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64",
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "k_new_ptr": dtype,
+                "v_new_ptr": dtype, "valid_ptr": "i1", "n_ptr": "i64",
                 "col0_ptr": "i64", "width_ptr": "i64", "covered_ptr": "i64", "seg_start_ptr": "i32",
                 "seg_rows_ptr": "i32", "arrivals_ptr": "i32"}
     wide = dtype == "fp32"
     for prefix in (False, True):
         shapes = dict(G=group, G_PAD=16, D=dim, D_PAD=dim, NUM_SLOTS=6 + 4 * prefix, SLOT0=4 * prefix,
                       SPLIT_LEN=256, PREFIX_SPLIT_LEN=128, HAS_PREFIX=prefix, PDL=pdl)
-        # the partial kernel with the merge of the row's last program inside (the default launch)
-        kernels = [(da.decode_partial_kernel, dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide, MERGE=True), da.NUM_WARPS),
-                   (da.decode_merge_kernel, {}, 4)]
+        # the partial kernel with the merge of the row's last program inside (the default launch),
+        # without a shared prefix also with a new token to rotate and write (both pairings)
+        partial = dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide, MERGE=True, ROTARY=False, INTERLEAVED=False)
+        kernels = [(da.decode_partial_kernel, partial, da.NUM_WARPS), (da.decode_merge_kernel, {}, 4)]
+        if not prefix:
+            kernels += [(da.decode_partial_kernel, dict(partial, ROTARY=True, INTERLEAVED=pair), da.NUM_WARPS)
+                        for pair in (False, True)]
         if prefix:
             m_pad = triton.next_power_of_2(da.MAX_PREFIX_QUERIES // group * group)
             kernels.append((da.decode_prefix_kernel, dict(M_PAD=m_pad, SPLIT_LEN=128, BLOCK_N=da.PREFIX_BLOCK_N,

@@ -11,7 +11,8 @@ from torchtune.models.phi3._position_embeddings import Phi3RotaryPositionalEmbed
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import RotaryPositionalEmbeddings
 
-from logitless.ops.triton.decode_rotary import decode_rotary_cache, decode_rotary_cache_reference, rotary_table
+from logitless.ops.triton.decode_rotary import (decode_rotary_cache, decode_rotary_cache_reference, rotary_table,
+                                                rotation_coefficients)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODULES = {
@@ -88,6 +89,26 @@ def test_reference_gives_the_kernels_values(kind):
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(k_cache, ref_k, rtol=8e-3, atol=1e-5)
     assert torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("kind", sorted(MODULES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotation_coefficients_rotate_as_the_module_at_least_as_well_as_eager(kind, dtype):
+    """x cos + x_partner sin with the per-row coefficients (the attention kernel's rotation of a
+    NewToken) against the module's rotation in float64."""
+    from logitless.ops.triton.decode_attention import _rotate_reference
+
+    d = 12
+    module = MODULES[kind](d).to(DEVICE)
+    spec = rotary_table(module, d)
+    q, _, _, positions, _, _, _ = _problem(5, 6, 2, d, 4, dtype, seed=7)
+    cos, sin = rotation_coefficients(spec, positions, d, dtype)
+    assert cos.shape == sin.shape == (5, d) and cos.dtype == sin.dtype == torch.float32
+    got = _rotate_reference(q, cos, sin, spec.interleaved)
+    exact = _exact_rotation(module, q, positions)
+    eager = _module_rotation(module, q, positions, dtype).double()
+    err, eager_err = (got.double() - exact).norm().item(), (eager - exact).norm().item()
+    assert err <= 1.25 * eager_err + 1e-7 * exact.norm().item(), (kind, err, eager_err)
 
 
 def test_rotary_table_only_for_modules_it_reproduces():

@@ -415,14 +415,23 @@ def test_compiled_step_samples_a_single_row():
 
 def _kernel_launches(monkeypatch):
     """Records the split-K kernels' launches as (rows, shared prefix or None) (they run on CPU tensors
-    under the Triton interpreter)."""
+    under the Triton interpreter), and those with a new token to rotate and write in ``launches.new_token``."""
     import importlib
 
     module = importlib.import_module("logitless.ops.triton.decode_attention")
-    launches = []
+
+    class Launches(list):
+        new_token = 0
+
+    launches = Launches()
     launch = module._launch
-    monkeypatch.setattr(module, "_launch", lambda *args: launches.append(
-        (args[0].shape[0], args[11] if len(args) > 11 else None)) or launch(*args))
+
+    def record(*args, **kwargs):
+        launches.append((args[0].shape[0], kwargs.get("prefix", args[11] if len(args) > 11 else None)))
+        launches.new_token += kwargs.get("new_token") is not None
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch", record)
     return launches, module._interpreting()
 
 
@@ -528,20 +537,30 @@ def _tiny_llama3(version):
                          intermediate_dim=64))
 
 
+@pytest.mark.parametrize("shared_prompt", [False, True], ids=["inside_attention", "before_shared_prefix"])
 @pytest.mark.parametrize("family", ["qwen2", "llama3", "llama3_1"])
-def test_split_k_step_rotates_and_writes_the_cache_in_one_launch_as_the_module(monkeypatch, family):
+def test_split_k_step_rotates_and_writes_the_cache_as_the_module(monkeypatch, family, shared_prompt):
+    """The rotary embedding and cache write of the kernels (inside the attention's launch per row, in a
+    launch before it with a shared prompt) give the module's tokens and log-probs."""
     model = (tiny(seed=2, tied=False) if family == "qwen2" else _tiny_llama3(family[len("llama"):])).eval()
     prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
     kw = dict(max_new_tokens=8, stop_tokens=[7, 11], pad_id=0, num_generations=2, temperature=1.0)
     fused, runs = [], {}
     rotary = compiled._fused_rotary
+    launches, interpreted = _kernel_launches(monkeypatch)
     for name in ("module", "fused"):
         choose = (lambda *a: None) if name == "module" else (lambda *a: fused.append(rotary(*a)) or fused[-1])
         monkeypatch.setattr(compiled, "_fused_rotary", choose)
-        sampler = uncompiled(decode_attention="split_k", min_bucket=2, sync_every=1, cache_len_multiple=16)
+        sampler = uncompiled(decode_attention="split_k", min_bucket=2, sync_every=1, cache_len_multiple=16,
+                             shared_prompt_decode=shared_prompt)
         runs[name] = sampler(model, prompts, generator=torch.Generator().manual_seed(3), **kw)
+        if name == "module":
+            assert launches.new_token == 0
     assert fused and all(spec is not None for spec in fused)  # every layer of every step took the kernel
     assert fused[0].interleaved == (family != "qwen2")
+    if interpreted:  # the kernels ran: with a new token to rotate and write exactly without a shared prompt
+        assert (launches.new_token > 0) != shared_prompt
+        assert all((prefix is not None) == shared_prompt for _, prefix in launches)
     assert torch.equal(runs["fused"].completion_tokens, runs["module"].completion_tokens)
     assert torch.equal(runs["fused"].completion_mask, runs["module"].completion_mask)
     torch.testing.assert_close(runs["fused"].sampler_log_probs, runs["module"].sampler_log_probs, atol=1e-5, rtol=0)

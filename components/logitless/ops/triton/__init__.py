@@ -21,7 +21,9 @@ This package's public names; the code lives in its modules:
   ``logitless::decode_linear``; the compiled sampler's opt-in ``decode_linear="triton"``);
 * :mod:`~logitless.ops.triton.decode_rotary` -- ``decode_rotary_cache``, a decode step's rotary
   embedding of q and k and its KV-cache write in one launch, reading the rotary module's own table
-  (op ``logitless::decode_rotary_cache``; the compiled sampler's split-K step).
+  (op ``logitless::decode_rotary_cache``; the compiled sampler's split-K step with a shared prompt),
+  and ``rotation_coefficients``, the per-row cos and sin with which ``decode_attention``'s
+  ``NewToken`` does both inside the attention's launch (its per-row step).
 
 Example:
     >>> import torch

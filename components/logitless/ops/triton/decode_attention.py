@@ -25,6 +25,12 @@ segment of consecutive rows, all of the segment's query heads as one operand of 
 prefix slots of the workspace; the partial kernel then starts each row at column ``width``, and the
 merge folds both (op ``logitless::decode_attention_shared_prefix``).
 
+With a :class:`NewToken` (the step's key and value before the rotary embedding, and each row's
+rotation), the partial kernel also does what a kernel before it would: it rotates the query as it
+loads it, and the program holding column ``n_filled - 1`` rotates the new key, writes it and the
+value into the caches there and folds that column in from registers (op
+``logitless::decode_attention_new_token``).
+
 ``n_filled`` is a ``(1,)`` device tensor read by the kernels, so nothing on the host depends on it:
 no sync, and one CUDA graph serves every step. The op ``logitless::decode_attention`` is an opaque
 ``torch.library`` custom op (a ``triton_op`` would let inductor see the kernels, but its traceable
@@ -61,7 +67,8 @@ from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
 
-__all__ = ["SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len", "launch_split_len",
+__all__ = ["NewToken", "SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len",
+           "launch_split_len",
            "group_segments", "prefix_rows", "prefix_split_len_for", "reserve_arrivals", "resolve_launch",
            "shared_prefix_segments",
            "supports_programmatic_launch"]
@@ -141,6 +148,49 @@ class SharedPrefix(NamedTuple):
     seg_rows: Tensor
     covered: Tensor
     max_rows: int
+
+
+class NewToken(NamedTuple):
+    """The step's own key and value, before the rotary embedding: with it, :func:`decode_attention`
+    takes the unrotated query, rotates the query and the key by each row's position, and writes the
+    key and the value into the caches at column ``n_filled - 1`` (which must lie past a shared
+    prefix's width), so that no kernel before it has to.
+
+    Element ``d`` of a vector ``x`` of row ``b`` becomes ``x_d cos[b, d] + x_e sin[b, d]``, where ``e`` is
+    the other element of ``d``'s pair: ``d ^ 1`` with ``interleaved`` (pairs ``(2i, 2i + 1)``), else
+    ``d + D/2`` or ``d - D/2``; :func:`~logitless.ops.triton.decode_rotary.rotation_coefficients` makes
+    ``cos`` and ``sin`` from a rotary module's table.
+
+    Attributes:
+        k (Tensor): ``(B, Hkv, D)`` the new keys, the last dimension contiguous.
+        v (Tensor): ``(B, Hkv, D)`` the new values, likewise.
+        cos (Tensor): ``(B, D)`` fp32, contiguous.
+        sin (Tensor): ``(B, D)`` fp32, signed (negative on each pair's first element), contiguous.
+        interleaved (bool): how elements pair (above).
+    """
+
+    k: Tensor
+    v: Tensor
+    cos: Tensor
+    sin: Tensor
+    interleaved: bool
+
+
+def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    # x (B, H, D) rotated as the kernels do: fp32 products, one rounding
+    d = x.shape[-1]
+    index = torch.arange(d, device=x.device)
+    partner = index ^ 1 if interleaved else (index + d // 2) % d
+    wide = x.float()
+    return (wide * cos[:, None] + wide[..., partner] * sin[:, None]).to(x.dtype)
+
+
+def _write_new_token(q: Tensor, k: Tensor, v: Tensor, n_filled: Tensor, token: NewToken) -> Tensor:
+    # the caches written at column n_filled - 1 with the rotated key and the value; the rotated query
+    col = n_filled - 1
+    k.index_copy_(2, col, _rotate_reference(token.k, token.cos, token.sin, token.interleaved)[:, :, None])
+    v.index_copy_(2, col, token.v.to(v.dtype)[:, :, None])
+    return _rotate_reference(q, token.cos, token.sin, token.interleaved)
 
 
 def prefix_rows(heads_per_kv: int, group_size: int) -> int:
@@ -235,6 +285,21 @@ def _attend(q, k_base, v_base, valid_base, stride_kl, stride_kd, stride_vl, stri
 
 
 @triton.jit
+def _rotated(x_ptr, d, cos, sin, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Elements ``d`` of the vectors at ``x_ptr`` (contiguous) rotated by their position:
+    ``x_d cos_d + x_e sin_d``, ``e`` the other element of ``d``'s pair (``d ^ 1`` with ``INTERLEAVED``,
+    else ``d -+ HALF``) and ``sin_d`` signed (:func:`~logitless.ops.triton.decode_rotary.rotation_coefficients`),
+    in fp32 with one rounding to the input dtype."""
+    if INTERLEAVED:
+        partner = d ^ 1
+    else:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+    raw = tl.load(x_ptr + d, mask=mask, other=0.0)
+    other = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    return (raw.to(tl.float32) * cos + other * sin).to(raw.dtype)
+
+
+@triton.jit
 def decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, valid_ptr, n_ptr, col0_ptr, m_ptr, l_ptr, acc_ptr,
     stride_qb, stride_qh, stride_qd,
@@ -243,10 +308,12 @@ def decode_partial_kernel(
     stride_mb, stride_ml,
     L, scale,
     arrivals_ptr, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od,
+    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr, WIDE_DOT: tl.constexpr, PDL: tl.constexpr,
     MERGE: tl.constexpr = False, PREFIX_SPLIT_LEN: tl.constexpr = 1,
+    ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
 ):
     """Grid ``(B, Hkv, splits)``: the online-softmax partial of columns
     ``[col0 + split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V
@@ -269,6 +336,11 @@ def decode_partial_kernel(
     the prefix partials (the query, the cache, the fill) was written before that, so its programs
     stream their columns while the prefix programs stream theirs, and wait for them only after their
     own stores, before the merge (and before exiting, so that the next kernel's wait covers both).
+
+    ``ROTARY`` (a :class:`NewToken`, without a prefix): ``q`` is the unrotated query, rotated as it is
+    loaded; the program whose split holds column ``n_filled - 1`` rotates the new key, stores it and
+    the new value there, attends to the columns before it and then folds the new column in from
+    registers, so that no load waits for those stores.
     """
     if PDL and not HAS_PREFIX:
         tl.extra.cuda.gdc_wait()
@@ -284,11 +356,44 @@ def decode_partial_kernel(
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_ok, other=0.0)
+    own = False  # whether this program holds the step's own column (ROTARY)
+    loop_end = end
+    if ROTARY:
+        d_ok = d < D
+        cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+        sin = tl.load(sin_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+        q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
+                     sin[None, :], q_ok, D // 2, INTERLEAVED)
+        col = n - 1
+        own = (col >= start) & (col < end)
+        # the new key and value go into the caches, and into the softmax from registers after the
+        # loop: nothing waits for the stores
+        write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
+        k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
+        v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
+        tl.store(k_ptr + b * stride_kb + h * stride_kh + col.to(tl.int64) * stride_kl + d * stride_kd, k_new,
+                 mask=write)
+        tl.store(v_ptr + b * stride_vb + h * stride_vh + col.to(tl.int64) * stride_vl + d * stride_vd, v_new,
+                 mask=write)
+        loop_end = tl.where(own, col, end)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=q_ok, other=0.0)
     m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
                             valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
-                            start, end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+                            start, loop_end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+    if ROTARY:
+        if own:  # the step's own column, as one more column of the loop's last block
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            valid_new = tl.load(valid_ptr + b * stride_mb + col.to(tl.int64) * stride_ml) != 0
+            s_new = tl.where(valid_new, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - ref)
+            p = tl.exp(s_new - ref)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
     if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
         tl.extra.cuda.gdc_launch_dependents()
     # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
@@ -588,8 +693,10 @@ def supports_programmatic_launch(device: torch.device) -> bool:
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
             split_len: int, block_n: int, num_warps: int, num_stages: int, pdl: bool,
-            prefix: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int, int]] = None) -> Tensor:
-    # prefix: (width, seg_start, seg_rows, covered, max_rows, prefix_split_len) of a SharedPrefix
+            prefix: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int, int]] = None,
+            new_token: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, bool]] = None) -> Tensor:
+    # prefix: (width, seg_start, seg_rows, covered, max_rows, prefix_split_len) of a SharedPrefix;
+    # new_token: (k, v, cos, sin, interleaved) of a NewToken
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -606,6 +713,12 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                v.stride(0), v.stride(1), v.stride(2), v.stride(3), key_valid.stride(0), key_valid.stride(1))
     width = covered = n_filled  # unread without a prefix
+    rot_args, rot_flags = (q, q, m, m, 0, 0, 0, 0, 0), {}  # unread without a new token
+    if new_token is not None:
+        k_new, v_new, cos, sin, interleaved = new_token
+        rot_args = (k_new, v_new, cos, sin, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                    cos.stride(0))
+        rot_flags = dict(ROTARY=True, INTERLEAVED=interleaved)
     prefix_split_len = split_len
     if prefix is not None:
         width, seg_start, seg_rows, covered, max_rows, prefix_split_len = prefix
@@ -620,7 +733,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
     outs = (covered, out, out.stride(0), out.stride(1), out.stride(2))
     decode_partial_kernel[(b, hkv, splits)](
         q, k, v, key_valid, n_filled, width, m, l, acc, *strides, length, scale, arrivals if arrivals is not None else m,
-        *outs, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
+        *outs, *rot_args, **rot_flags, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots,
+        SPLIT_LEN=split_len,
         BLOCK_N=block_n, HAS_PREFIX=prefix is not None, WIDE_DOT=wide, PDL=pdl, MERGE=arrivals is not None,
         PREFIX_SPLIT_LEN=prefix_split_len, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
@@ -660,6 +774,28 @@ def _decode_attention_shared_prefix_op(q: Tensor, k: Tensor, v: Tensor, key_vali
     psl = prefix_split_len or prefix_split_len_for(seg_start.shape[0], k.shape[1], k.shape[2], q.device)
     return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
                    (width, seg_start, seg_rows, covered, max_rows, psl))
+
+
+@torch.library.custom_op("logitless::decode_attention_new_token", mutates_args=("k", "v"))
+def _decode_attention_new_token_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor,
+                                   k_new: Tensor, v_new: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+                                   scale: float, split_len: int, block_n: int, num_warps: int, num_stages: int,
+                                   programmatic: bool) -> Tensor:
+    """:func:`decode_attention` with a :class:`NewToken` given as its fields (launch parameters of 0:
+    the defaults); writes ``k`` and ``v`` at column ``n_filled - 1``."""
+    token = NewToken(k_new, v_new, cos, sin, interleaved)
+    if not (q.is_cuda or _interpreting()):
+        q = _write_new_token(q, k, v, n_filled, token)
+        return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
+    launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
+    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
+                   new_token=token)
+
+
+@_decode_attention_new_token_op.register_fake
+def _(q, k, v, key_valid, n_filled, k_new, v_new, cos, sin, interleaved, scale, split_len, block_n, num_warps,
+      num_stages, programmatic):
+    return q.new_empty(q.shape)
 
 
 @_decode_attention_shared_prefix_op.register_fake
@@ -732,11 +868,35 @@ def _check_prefix(prefix: SharedPrefix, q: Tensor, k: Tensor) -> None:
         raise ValueError(f"decode_attention: shared_prefix's tensors must be on q's device {q.device}")
 
 
+def _check_new_token(token: NewToken, q: Tensor, k: Tensor, shared_prefix: Optional[SharedPrefix]) -> None:
+    if not isinstance(token, NewToken):
+        raise ValueError(f"decode_attention: new_token must be None or a NewToken, got {type(token).__name__}")
+    if shared_prefix is not None:
+        raise ValueError("decode_attention: new_token with shared_prefix is not supported; rotate the query and "
+                         "write the caches first (logitless.ops.triton.decode_rotary.decode_rotary_cache)")
+    b, hkv, d = k.shape[0], k.shape[1], k.shape[3]
+    for name in ("k", "v"):
+        t = getattr(token, name)
+        if tuple(t.shape) != (b, hkv, d) or t.dtype != k.dtype or t.stride(-1) != 1:
+            raise ValueError(f"decode_attention: new_token.{name} must be ({b}, {hkv}, {d}) {k.dtype} with a "
+                             f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    for name in ("cos", "sin"):
+        t = getattr(token, name)
+        if tuple(t.shape) != (b, d) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"decode_attention: new_token.{name} must be contiguous float32 ({b}, {d}) (see "
+                             f"rotation_coefficients), got {tuple(t.shape)} {t.dtype}")
+    if d % 2 or q.stride(-1) != 1:
+        raise ValueError(f"decode_attention: new_token needs an even head size and q with a contiguous last "
+                         f"dimension, got D={d}, q strides {q.stride()}")
+    if len({q.device} | {t.device for t in token[:4]}) != 1:
+        raise ValueError(f"decode_attention: new_token's tensors must be on q's device {q.device}")
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, *,
                      scale: Optional[float] = None, split_len: Optional[int] = None, block_n: Optional[int] = None,
                      num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                      programmatic_launch: bool = True, shared_prefix: Optional[SharedPrefix] = None,
-                     prefix_split_len: Optional[int] = None) -> Tensor:
+                     prefix_split_len: Optional[int] = None, new_token: Optional[NewToken] = None) -> Tensor:
     """Attention of one new query token per row with grouped-query heads, split along the cache.
 
     Args:
@@ -764,6 +924,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
             rest of each row as without it. None: every row reads its own columns.
         prefix_split_len (Optional[int]): shared columns per program (a power of two >= 16); None =
             :func:`prefix_split_len_for`.
+        new_token (Optional[NewToken]): the step's own key and value before the rotary embedding:
+            ``q`` is then the unrotated query, and the kernel rotates it and the key, and writes the
+            key and the value into ``k`` and ``v`` at column ``n_filled - 1`` (op
+            ``logitless::decode_attention_new_token``, which declares ``k`` and ``v`` mutated). Not
+            with ``shared_prefix``.
 
     Returns:
         Tensor: ``(B, Hq, D)`` in ``q``'s dtype; 0 for a row without any valid key among the
@@ -776,6 +941,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
         >>> out = decode_attention(q, k_cache[:8], v_cache[:8], key_valid[:8], n_filled)
     """
     _check(q, k, v, key_valid, n_filled, split_len, block_n, num_warps, num_stages, shared_prefix)
+    if new_token is not None:
+        _check_new_token(new_token, q, k, shared_prefix)
     if prefix_split_len is not None and (not isinstance(prefix_split_len, int) or prefix_split_len < 16
                                          or prefix_split_len & (prefix_split_len - 1)):
         raise ValueError(f"decode_attention: prefix_split_len must be None or a power of two >= 16, got "
@@ -783,6 +950,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         reserve_arrivals(q.device)
+    if new_token is not None:
+        return torch.ops.logitless.decode_attention_new_token(q, k, v, key_valid, n_filled, *new_token, scale,
+                                                              split_len or 0, block_n or 0, num_warps or 0,
+                                                              num_stages or 0, bool(programmatic_launch))
     if shared_prefix is None:
         return torch.ops.logitless.decode_attention(q, k, v, key_valid, n_filled, scale, split_len or 0, block_n or 0,
                                                     num_warps or 0, num_stages or 0, bool(programmatic_launch))

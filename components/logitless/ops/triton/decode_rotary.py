@@ -32,7 +32,7 @@ Example:
     >>> q_rot = decode_rotary_cache(q, k, v, pos, rotary_table(rope.to("cuda"), 128), col, k_cache, v_cache)
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -46,7 +46,8 @@ from torchtune.modules import RotaryPositionalEmbeddings
 from logitless.ops.dispatch import _interpreting
 from logitless.ops.triton.decode_attention import supports_programmatic_launch
 
-__all__ = ["RotaryTable", "decode_rotary_cache", "decode_rotary_cache_reference", "rotary_table"]
+__all__ = ["RotaryTable", "decode_rotary_cache", "decode_rotary_cache_reference", "rotary_table",
+           "rotation_coefficients"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,6 +101,37 @@ def rotary_table(module: Optional[nn.Module], head_dim: int) -> Optional[RotaryT
     if kind in _HALVES_ROUNDED + _HALVES and table.dim() == 2 and table.shape[1] == 2 * head_dim:
         return RotaryTable(table, 2 * head_dim, 1, head_dim, False, kind in _HALVES_ROUNDED)
     return None
+
+
+def rotation_coefficients(spec: RotaryTable, positions: Tensor, head_dim: int,
+                          dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Each row's rotation as :class:`~logitless.ops.triton.decode_attention.NewToken` takes it: cos
+    and signed sin per element, fp32, read from a rotary module's table at each row's position.
+
+    Args:
+        spec (RotaryTable): the module's table (:func:`rotary_table`).
+        positions (Tensor): ``(B,)`` int64, each row's position.
+        head_dim (int): D.
+        dtype (torch.dtype): the rotated vectors' dtype (a table the module rounds is rounded to it).
+
+    Returns:
+        Tuple[Tensor, Tensor]: ``(B, D)`` fp32 ``cos`` and ``sin``, ``sin`` negated on the first element
+        of each pair, so that element ``d`` rotates to ``x_d cos_d + x_e sin_d`` (``e`` its pair's other).
+
+    Example:
+        >>> cos, sin = rotation_coefficients(rotary_table(rope, 128), positions, 128, torch.bfloat16)
+    """
+    d = head_dim
+    index = torch.arange(d, device=positions.device)
+    pair = index // 2 if spec.interleaved else index % (d // 2)
+    first = index % 2 == 0 if spec.interleaved else index < d // 2
+    at = positions.reshape(-1, 1) * spec.stride_pos + pair * spec.stride_pair
+    flat = spec.table.reshape(-1)
+    cos, sin = flat[at], flat[at + spec.sin_offset]
+    if spec.round_table:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    cos, sin = cos.float(), sin.float()
+    return cos.contiguous(), torch.where(first, -sin, sin).contiguous()
 
 
 @triton.jit

@@ -217,14 +217,17 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
     (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
-    n_filled, programmatic_launch, shared_prefix)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
-    :class:`~logitless.ops.triton.decode_attention.SharedPrefix` or None) one new token per row
-    attends through the split-K kernel (:func:`logitless.ops.triton.decode_attention`), which reads
-    the first ``n_filled`` columns of the cache only (each group's prompt columns once, with a
-    shared prefix), instead of SDPA under ``mask``; where :func:`_fused_rotary` allows, the rotary
-    embedding of q and k and the cache write are one launch
-    (:func:`logitless.ops.triton.decode_rotary.decode_rotary_cache`) instead of the compiler's three or
-    four. ``linear``: the projections' kernel (:func:`_project`).
+    n_filled, programmatic_launch, shared_prefix, rotations)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
+    :class:`~logitless.ops.triton.decode_attention.SharedPrefix` or None, a dict the step fills with
+    each rotary table's per-row coefficients) one new token per row attends through the split-K kernel
+    (:func:`logitless.ops.triton.decode_attention`), which reads the first ``n_filled`` columns of the
+    cache only (each group's prompt columns once, with a shared prefix), instead of SDPA under
+    ``mask``. Where :func:`_fused_rotary` allows, the compiler's three or four kernels of rotary
+    embedding and cache write go: into the attention's own launch without a shared prefix
+    (:class:`~logitless.ops.triton.decode_attention.NewToken`), else into one launch before it
+    (:func:`logitless.ops.triton.decode_rotary.decode_rotary_cache`; inside the attention it measured
+    slower there, the shared-prefix programs all rotating their rows' queries). ``linear``: the
+    projections' kernel (:func:`_project`).
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -233,7 +236,16 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     else:
         q, k, v = _project(x, *qkv, linear=linear).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     rotary = _fused_rotary(attn, s, cache, split_k)
-    if rotary is not None:  # rotary embedding and cache write in one launch
+    if rotary is not None and split_k[3] is None:  # rotary embedding and cache write inside the attention
+        key_valid, n_filled, programmatic, _, rotations = split_k
+        if id(rotary.table) not in rotations:  # once a step for the layers that share a rotary module
+            rotations[id(rotary.table)] = _decode_rotary.rotation_coefficients(rotary, input_pos.view(b), dim, q.dtype)
+        out = torch.ops.logitless.decode_attention_new_token(
+            q.view(b, heads, dim), cache[0], cache[1], key_valid, n_filled, k.view(b, kv_heads, dim),
+            v.view(b, kv_heads, dim), *rotations[id(rotary.table)], rotary.interleaved, dim ** -0.5, 0, 0, 0, 0,
+            programmatic)
+        return _linear_module(attn.output_proj, out.reshape(b, 1, heads * dim), linear)
+    if rotary is not None:  # with a shared prompt: rotary embedding and cache write in one launch before it
         q = torch.ops.logitless.decode_rotary_cache(q.view(b, heads, dim), k.view(b, kv_heads, dim),
                                                     v.view(b, kv_heads, dim), input_pos.view(b), *rotary, col,
                                                     cache[0], cache[1], split_k[2])[:, :, None]
@@ -277,7 +289,7 @@ def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tens
     b, heads, _, dim = q.shape
     k, v = cache
     # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-    key_valid, n_filled, programmatic, prefix = split_k
+    key_valid, n_filled, programmatic, prefix, _ = split_k
     if prefix is None:
         out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
                                                    0, programmatic)
@@ -384,7 +396,7 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     # the filled count is a buffer of its own, not col + 1: the compiler would recompute that sum in a
     # launch of its own before every layer's attention
     n_filled = shared["n_filled"]
-    filled = (key_valid, n_filled, programmatic_launch, prefix) if split_k else None
+    filled = (key_valid, n_filled, programmatic_launch, prefix, {}) if split_k else None
     linear = (linear_sms, programmatic_launch) if linear_sms else None
 
     def run_layer(index, layer, h):
