@@ -71,7 +71,7 @@ __all__ = ["NewToken", "SharedPrefix", "decode_attention", "decode_attention_ref
            "launch_split_len",
            "group_segments", "prefix_rows", "prefix_split_len_for", "reserve_arrivals", "resolve_launch",
            "shared_prefix_segments",
-           "supports_programmatic_launch"]
+           "supports_programmatic_launch", "write_new_token_reference"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The partial kernel's default launch: columns per inner-loop block, warps per program and
@@ -153,8 +153,7 @@ class SharedPrefix(NamedTuple):
 class NewToken(NamedTuple):
     """The step's own key and value, before the rotary embedding: with it, :func:`decode_attention`
     takes the unrotated query, rotates the query and the key by each row's position, and writes the
-    key and the value into the caches at column ``n_filled - 1`` (which must lie past a shared
-    prefix's width), so that no kernel before it has to.
+    key and the value into the caches at column ``n_filled - 1``, so that no kernel before it has to.
 
     Element ``d`` of a vector ``x`` of row ``b`` becomes ``x_d cos[b, d] + x_e sin[b, d]``, where ``e`` is
     the other element of ``d``'s pair: ``d ^ 1`` with ``interleaved`` (pairs ``(2i, 2i + 1)``), else
@@ -185,9 +184,10 @@ def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) ->
     return (wide * cos[:, None] + wide[..., partner] * sin[:, None]).to(x.dtype)
 
 
-def _write_new_token(q: Tensor, k: Tensor, v: Tensor, n_filled: Tensor, token: NewToken) -> Tensor:
-    # the caches written at column n_filled - 1 with the rotated key and the value; the rotated query
-    col = n_filled - 1
+def write_new_token_reference(q: Tensor, k: Tensor, v: Tensor, col: Tensor, token: NewToken) -> Tensor:
+    """Plain PyTorch: writes ``token``'s rotated key and its value into the caches ``k`` and ``v`` at
+    column ``col`` (``(1,)`` int64) and returns the rotated query, as the kernels rotate (fp32
+    products, one rounding)."""
     k.index_copy_(2, col, _rotate_reference(token.k, token.cos, token.sin, token.interleaved)[:, :, None])
     v.index_copy_(2, col, token.v.to(v.dtype)[:, :, None])
     return _rotate_reference(q, token.cos, token.sin, token.interleaved)
@@ -356,7 +356,6 @@ def decode_partial_kernel(
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
-    own = False  # whether this program holds the step's own column (ROTARY)
     loop_end = end
     if ROTARY:
         d_ok = d < D
@@ -365,9 +364,10 @@ def decode_partial_kernel(
         q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
                      sin[None, :], q_ok, D // 2, INTERLEAVED)
         col = n - 1
-        own = (col >= start) & (col < end)
+        own = (col >= start) & (col < end)  # this program holds the step's own column
         # the new key and value go into the caches, and into the softmax from registers after the
-        # loop: nothing waits for the stores
+        # loop: nothing waits for the stores. `write` is `own` per element: the interpreter does not
+        # broadcast a scalar mask
         write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
         k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
         v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
@@ -785,7 +785,7 @@ def _decode_attention_new_token_op(q: Tensor, k: Tensor, v: Tensor, key_valid: T
     the defaults); writes ``k`` and ``v`` at column ``n_filled - 1``."""
     token = NewToken(k_new, v_new, cos, sin, interleaved)
     if not (q.is_cuda or _interpreting()):
-        q = _write_new_token(q, k, v, n_filled, token)
+        q = write_new_token_reference(q, k, v, n_filled - 1, token)
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
     return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),

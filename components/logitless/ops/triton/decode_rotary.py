@@ -44,7 +44,7 @@ from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalE
 from torchtune.modules import RotaryPositionalEmbeddings
 
 from logitless.ops.dispatch import _interpreting
-from logitless.ops.triton.decode_attention import supports_programmatic_launch
+from logitless.ops.triton.decode_attention import NewToken, supports_programmatic_launch, write_new_token_reference
 
 __all__ = ["RotaryTable", "decode_rotary_cache", "decode_rotary_cache_reference", "rotary_table",
            "rotation_coefficients"]
@@ -198,26 +198,8 @@ def decode_rotary_cache_reference(q: Tensor, k: Tensor, v: Tensor, positions: Te
                                   col: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
     """:func:`decode_rotary_cache` in plain PyTorch (the same fp32 arithmetic and one rounding):
     writes the caches and returns the rotated query."""
-    d = q.shape[-1]
-    half = d // 2
-    flat = spec.table.reshape(-1)
-    at = positions.reshape(-1, 1) * spec.stride_pos + torch.arange(half, device=q.device) * spec.stride_pair
-    cos, sin = flat[at], flat[at + spec.sin_offset]
-    if spec.round_table:
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    cos, sin = cos.float()[:, None], sin.float()[:, None]  # (B, 1, D/2)
-
-    def rotate(x):
-        x = x.float()
-        pairs = x.unflatten(-1, (half, 2)) if spec.interleaved else x.unflatten(-1, (2, half)).transpose(-1, -2)
-        x1, x2 = pairs[..., 0], pairs[..., 1]
-        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        out = out.flatten(-2) if spec.interleaved else out.transpose(-1, -2).flatten(-2)
-        return out
-
-    k_cache.index_copy_(2, col, rotate(k).to(k_cache.dtype)[:, :, None])
-    v_cache.index_copy_(2, col, v.to(v_cache.dtype)[:, :, None])
-    return rotate(q).to(q.dtype)
+    token = NewToken(k, v, *rotation_coefficients(spec, positions, q.shape[-1], q.dtype), spec.interleaved)
+    return write_new_token_reference(q, k_cache, v_cache, col, token)
 
 
 @torch.library.custom_op("logitless::decode_rotary_cache", mutates_args=("k_cache", "v_cache"))
