@@ -3,8 +3,10 @@ reference :func:`sample_counter`, in the interpreter at small odd shapes (CUDA o
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from logitless.ops.triton.counter_sampling import counter_draw, counter_draw_splits
+from logitless.ops.triton.counter_sampling import _gumbel2, counter_draw, counter_draw_splits
 from logitless.rl.rollout import CompiledSampler, compiled, prompt_generators
 from logitless.rl.rollout.sampling import sample_counter
 
@@ -31,8 +33,8 @@ def test_counter_draw_equals_sample_counter(rows, vocab, temperature):
 
 
 def test_several_spans_per_row_are_folded_in_order():
-    # 9001 columns: 5 spans of 2048 columns; a tie across spans goes to the first
-    assert counter_draw_splits(2, 9001) == 5
+    # 9001 columns: 3 spans of 4096 columns; a tie across spans goes to the first
+    assert counter_draw_splits(2, 9001) == 3
     logits = torch.zeros(2, 9001, device=DEVICE)
     logits[0, [100, 4500, 9000]] = 5.0   # three spans hold the max: the first column wins, as argmax picks
     logits[1, [8000, 2100]] = 5.0
@@ -43,24 +45,58 @@ def test_several_spans_per_row_are_folded_in_order():
 
 
 def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(monkeypatch):
-    # one span per row: each program walks 5 blocks of 2048 columns, a column per lane per block
+    # one span per row: each program walks 3 blocks of 4096 columns, several columns per lane per block
     from logitless.ops.triton import counter_sampling
 
     monkeypatch.setattr(counter_sampling, "counter_draw_splits", lambda rows, vocab, num_sms=132: 1)
     logits = torch.zeros(3, 9001, device=DEVICE)
-    logits[0, [2053, 4, 7000]] = 5.0  # lane 5 of block 1, lane 4 of block 0: column 4
-    logits[1, [5, 2053]] = 5.0  # one lane, blocks 0 and 1: column 5
-    logits[2, [4099, 2055]] = 5.0  # lane 3 of block 2, lane 7 of block 1: column 2055
+    logits[0, [4101, 4, 7000]] = 5.0  # offset 5 of block 1, offset 4 of block 0: column 4
+    logits[1, [5, 4101]] = 5.0  # one offset, blocks 0 and 1: column 5
+    logits[2, [8195, 4103]] = 5.0  # offset 3 of block 2, offset 7 of block 1: column 4103
     zeros = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     tokens, logp = counter_draw(logits, zeros, zeros[:1], temperature=0.0)
-    assert tokens.tolist() == [4, 5, 2055] == logits.argmax(dim=1).tolist()
-    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1, 2], [4, 5, 2055]])
+    assert tokens.tolist() == [4, 5, 4103] == logits.argmax(dim=1).tolist()
+    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1, 2], [4, 5, 4103]])
     for temperature in (1.0, 0.7):
         logits, keys, step = _problem(4, 9001, seed=5)
         tokens, logp = counter_draw(logits, keys, step, temperature=temperature)
         ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=temperature)
         assert torch.equal(tokens, ref_tokens)
         torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+
+
+def test_a_token_whose_hash_is_the_largest_is_drawn_only_by_its_probability():
+    # the (key, step, token) of tests/rl/rollout/test_compaction.py whose 24-bit uniform was exactly 1
+    logits = torch.zeros(2, 1000, device=DEVICE)
+    logits[:, 389] = -40.0
+    keys = torch.tensor([1657, 1657], device=DEVICE)
+    for temperature in (1.0, 0.7):
+        tokens, logp = counter_draw(logits, keys, torch.tensor([0], device=DEVICE), temperature=temperature)
+        ref_tokens, _ = sample_counter(logits, keys, torch.tensor([0], device=DEVICE), temperature=temperature)
+        assert 389 not in tokens.tolist() and torch.equal(tokens, ref_tokens)
+
+
+@triton.jit
+def _gumbel_of_cells_kernel(cells_ptr, out_ptr, n, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.load(cells_ptr + i, mask=i < n, other=0)
+    u = (j.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # uniform_from_bits of cell j
+    tl.store(out_ptr + i, _gumbel2(u, FAST_LOG), mask=i < n)
+
+
+def test_the_kernels_gumbel_is_finite_monotone_and_within_3_ulp_of_float64():
+    # every one of the 2**23 uniforms on a GPU (with lg2.approx); the interpreter takes both ends,
+    # where the logs are hardest, and a stride through the rest
+    if DEVICE == "cuda":
+        cells = torch.arange(1 << 23, device=DEVICE)
+    else:
+        cells = torch.cat([torch.arange(4096), torch.arange(4096, (1 << 23) - 4096, 997), torch.arange((1 << 23) - 4096, 1 << 23)])
+    g = torch.empty(len(cells), device=DEVICE)
+    _gumbel_of_cells_kernel[(triton.cdiv(len(cells), 1024),)](cells, g, len(cells), FAST_LOG=DEVICE == "cuda", BLOCK=1024)
+    exact = torch.log2(-torch.log2((cells.double() + 0.5) / 2**23))
+    assert bool(torch.isfinite(g).all()) and bool((g[1:] <= g[:-1]).all())
+    ulps = (g.double() - exact).abs() / (exact.abs().clamp_min(1.0) * 2**-23)
+    assert float(ulps.max()) <= 3.0
 
 
 def test_masked_tokens_are_never_drawn_and_bf16_logits_are_read_as_fp32():

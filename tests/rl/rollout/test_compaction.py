@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from logitless.rl.rollout import CompiledSampler, prompt_generators
 from logitless.rl.rollout.eager import generate as eager_generate
-from logitless.rl.rollout.sampling import counter_uniform, row_keys, sample_counter
+from logitless.rl.rollout.sampling import counter_uniform, row_keys, sample_counter, uniform_from_bits
 
 VOCAB = 61
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20, 21, 22, 23]]
@@ -101,6 +101,35 @@ def test_counter_uniforms_are_uniform_and_decorrelated():
     nxt = counter_uniform(keys, torch.tensor([1]), 4096).double()
     for x, y in [(u[:-1], u[1:]), (u, nxt), (u[:, :-1], u[:, 1:])]:
         assert abs(float(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1])) < 0.01
+
+
+#: A (key, step, token) whose hash has its top 24 bits all set: ``(2**24 - 1) + 0.5`` rounds to
+#: ``2**24`` in fp32, so a 24-bit uniform was exactly 1 there and the token's Gumbel noise +inf.
+ONE_KEY, ONE_STEP, ONE_TOKEN = 1657, 0, 389
+
+
+def test_every_hash_value_gives_a_uniform_strictly_inside_0_1():
+    # every value the top bits of a hash can take, with the low bits set (the largest hashes)
+    tops = torch.arange(1 << 24, dtype=torch.int64)
+    u = uniform_from_bits((tops << 8) | 0xFF).double()
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    # exact midpoints of equal cells: the set is symmetric about 1/2
+    values = torch.unique(u)
+    assert torch.equal(values + values.flip(0), torch.ones_like(values))
+    assert int((torch.bincount(torch.bucketize(u, values)) != (1 << 24) // len(values)).sum()) == 0
+    # the key, step and token whose hash reaches the top value
+    keys = torch.tensor([ONE_KEY], dtype=torch.int64)
+    assert float(counter_uniform(keys, torch.tensor([ONE_STEP]), 1000)[0, ONE_TOKEN]) == float(values.max())
+
+
+def test_a_token_whose_hash_is_the_largest_is_drawn_only_by_its_probability():
+    logits = torch.zeros(4, 1000)
+    logits[:, ONE_TOKEN] = -40.0  # probability about 4e-21
+    keys = torch.tensor([ONE_KEY] * 4, dtype=torch.int64)
+    for temperature in (1.0, 0.7):
+        tok, lp = sample_counter(logits, keys, torch.tensor([ONE_STEP]), temperature=temperature)
+        assert ONE_TOKEN not in tok.tolist()
+        assert bool(torch.isfinite(lp).all())
 
 
 def test_sample_counter_draws_the_filtered_distribution():

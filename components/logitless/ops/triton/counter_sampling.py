@@ -10,16 +10,17 @@ Here the same draw runs as
 * ``counter_draw_kernel``, grid ``(B, splits)``: each program hashes its span of the vocabulary in
   32-bit arithmetic (the reference's int64 products masked to 32 bits are exactly uint32 wrap-around
   products), keeps the best perturbed score with its first index, and the running max and sum of
-  ``exp`` of the tempered logits, into an fp32 workspace;
+  ``2 ** s`` of the tempered logits in base 2, into an fp32 workspace;
 * ``counter_pick_kernel``, grid ``(B,)``: folds a row's spans in order (the first index wins a tie, as
   ``argmax`` picks) and writes the token and ``logits[tok] / T - logsumexp``.
 
 Both the draw and its order are fixed by the inputs: the same token for the same ``(key, step,
 logits)`` whatever the batch, its order or the split count. ``temperature == 0`` is greedy: the
 argmax, with the log-probability at ``T = 1`` (as the reference). The uniforms are the reference's
-bit for bit; the Gumbel transform uses the GPU's fp32 ``log`` and the tempering a product with
-``1 / T`` (exact at ``T = 1``), so a perturbed score can differ from PyTorch's in its last bits, and
-a token with it only where two tokens' scores tie to within that rounding.
+bit for bit; the scores are the reference's times ``log2(e)`` less a constant (the same argmax),
+computed with fp32 ``log2`` (:func:`_gumbel2`, within 3 ulp of float64) and a product with
+``log2(e) / T``, so a perturbed score can differ from PyTorch's in its last bits, and a token with
+it only where two tokens' scores tie to within that rounding.
 
 Example:
     >>> logits = torch.randn(64, 151936, device="cuda")
@@ -33,14 +34,22 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import libdevice
 
 from logitless.ops.dispatch import _interpreting
 from logitless.ops.triton.decode_attention import _num_sms
 
 __all__ = ["counter_draw", "counter_draw_splits"]
 
-#: Columns per inner-loop block, and programs per SM the split count aims at.
-BLOCK_V, PROGRAMS_PER_SM = 2048, 2
+#: Columns per inner-loop block and warps per program of the draw, the programs per SM its split
+#: count aims at, and at most this many spans per row. In a sweep at 64 rows x 151,936 columns on an
+#: H200 (``benchmarks/results/counter_draw_launch_h200.csv``, the same kernel with both logs
+#: approximate: ``log`` 2, ``table`` 0) 2 programs per SM left each program waiting on every block's
+#: loads: 31.5 us, against 25.4 us with 8 programs per SM and 4096-column blocks. At 16 rows more
+#: than about 16 spans a row only lengthened the pick kernel's fold.
+BLOCK_V, NUM_WARPS, PROGRAMS_PER_SM, MAX_SPLITS = 4096, 8, 8, 16
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -54,10 +63,31 @@ def _mix32(x):
 
 
 @triton.jit
+def _gumbel2(u, FAST_LOG: tl.constexpr):
+    """``log2(-log2(u))``: minus a Gumbel variate in base 2 (up to a constant), for ``u`` in (0, 1).
+
+    The inner log is the accurate one: near ``u = 1``, where the largest noise (the likely winner)
+    comes from, ``lg2.approx.f32`` has an absolute error of about ``2**-22`` against values down to
+    ``2**-23``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
+    (with ``FAST_LOG``, on NVIDIA GPUs) keeps about 2 ulp relative. Over all ``2**23`` uniforms of
+    :func:`~logitless.rl.rollout.sampling.uniform_from_bits` that is within 3 ulp of float64 on an
+    H200; both logs fast it was off by up to 2.9 (``benchmarks/results/counter_draw_h200.csv``).
+    """
+    a = -tl.math.log2(u)
+    if FAST_LOG:
+        return libdevice.fast_log2f(a)
+    else:
+        return tl.math.log2(a)
+
+
+@triton.jit
 def counter_draw_kernel(logits_ptr, keys_ptr, step_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, V, stride_lb,
-                        inv_temperature, SPAN: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr):
+                        inv_temperature, SPAN: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+                        FAST_LOG: tl.constexpr):
     """Grid ``(B, splits)``: the best perturbed score (and its first column), the max and the sum of
-    ``exp(s - max)`` of the tempered logits ``s`` over columns ``[split * SPAN, +SPAN)`` of a row."""
+    ``2 ** (s - max)`` of the tempered logits in base 2, ``s = logits / T * log2(e)``, over columns
+    ``[split * SPAN, +SPAN)`` of a row. Sampled, the score is ``s - log2(-log2(u))``: the Gumbel-max
+    score ``logits / T - log(-log(u))`` times ``log2(e)`` less a constant, so the same argmax."""
     r = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -76,22 +106,21 @@ def counter_draw_kernel(logits_ptr, keys_ptr, step_ptr, best_ptr, index_ptr, max
         cols = c + cols0
         inside = cols < V
         x = tl.load(logits_ptr + r * stride_lb + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        s = x * (inv_temperature * LOG2E)
         if GREEDY:
-            s = x
-            score = x
+            score = x  # the argmax of the logits themselves: scaling could merge two fp32 values
         else:
-            s = x * inv_temperature
             token = _mix32(cols.to(tl.uint32) * tl.full([1], 0x61C88647, tl.uint32))
             bits = _mix32(_mix32(row ^ token) ^ row)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = tl.where(inside, s - tl.log(-tl.log(u)), float("-inf"))
+            u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # uniform_from_bits
+            score = tl.where(inside, s - _gumbel2(u, FAST_LOG), float("-inf"))
         blk_best, blk_index = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
         better = blk_best > best  # strict: an earlier column keeps a tie
         index = tl.where(better, c + blk_index, index)
         best = tl.where(better, blk_best, best)
         m_new = tl.maximum(m, tl.max(s, 0))
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        acc = acc * tl.exp(m - ref) + tl.sum(tl.exp(s - ref), 0)
+        acc = acc * tl.math.exp2(m - ref) + tl.sum(tl.math.exp2(s - ref), 0)
         m = m_new
     at = r * splits + split + tl.arange(0, 1)
     tl.store(best_ptr + at, best)
@@ -102,9 +131,9 @@ def counter_draw_kernel(logits_ptr, keys_ptr, step_ptr, best_ptr, index_ptr, max
 
 @triton.jit
 def counter_pick_kernel(logits_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, tokens_ptr, logp_ptr, stride_lb,
-                        inv_temperature, SPLITS: tl.constexpr, GREEDY: tl.constexpr):
+                        inv_temperature, SPLITS: tl.constexpr):
     """Grid ``(B,)``: the row's token (the best span's column, the first span on a tie) and its
-    log-probability ``s[tok] - logsumexp(s)``, spans folded in order."""
+    log-probability ``(s[tok] - log2(sum 2 ** s)) * ln(2)``, spans folded in order."""
     r = tl.program_id(0).to(tl.int64)
     one = tl.arange(0, 1)
     best = tl.full([1], float("-inf"), tl.float32)
@@ -120,22 +149,22 @@ def counter_pick_kernel(logits_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, token
         mi = tl.load(max_ptr + at)
         m_new = tl.maximum(m, mi)
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        acc = acc * tl.exp(m - ref) + tl.load(sum_ptr + at) * tl.exp(mi - ref)
+        acc = acc * tl.math.exp2(m - ref) + tl.load(sum_ptr + at) * tl.math.exp2(mi - ref)
         m = m_new
-    x = tl.load(logits_ptr + r * stride_lb + index).to(tl.float32)
-    s = x if GREEDY else x * inv_temperature
+    s = tl.load(logits_ptr + r * stride_lb + index).to(tl.float32) * (inv_temperature * LOG2E)
     tl.store(tokens_ptr + r + one, index.to(tl.int64))
-    tl.store(logp_ptr + r + one, s - m - tl.log(acc))
+    tl.store(logp_ptr + r + one, (s - m - tl.math.log2(acc)) * LN2)
 
 
 def counter_draw_splits(rows: int, vocab: int, num_sms: int = 132) -> int:
-    """Spans per row: about ``PROGRAMS_PER_SM`` programs per SM, at least one ``BLOCK_V`` block each.
+    """Spans per row: about ``PROGRAMS_PER_SM`` programs per SM, at least one ``BLOCK_V`` block each
+    and at most ``MAX_SPLITS``.
 
     Example:
         >>> counter_draw_splits(64, 151936), counter_draw_splits(8, 151936), counter_draw_splits(4, 100)
-        (5, 33, 1)
+        (17, 16, 1)
     """
-    return max(1, min(triton.cdiv(vocab, BLOCK_V), triton.cdiv(PROGRAMS_PER_SM * num_sms, rows)))
+    return max(1, min(triton.cdiv(vocab, BLOCK_V), triton.cdiv(PROGRAMS_PER_SM * num_sms, rows), MAX_SPLITS))
 
 
 @torch.library.custom_op("logitless::counter_draw", mutates_args=())
@@ -153,10 +182,13 @@ def _counter_draw_op(logits: Tensor, keys: Tensor, step: Tensor, temperature: fl
     greedy = temperature == 0
     inv = 1.0 if greedy else 1.0 / temperature
     if b:
+        # lg2.approx for the outer log on NVIDIA GPUs (libdevice's): the accurate one costs 8 us a draw
+        fast_log = logits.is_cuda and torch.version.cuda is not None
         counter_draw_kernel[(b, splits)](logits, keys, step, best, index, top, total, v, logits.stride(0), inv,
-                                         SPAN=span, BLOCK=BLOCK_V, GREEDY=greedy, num_warps=4)
+                                         SPAN=span, BLOCK=BLOCK_V, GREEDY=greedy, FAST_LOG=fast_log,
+                                         num_warps=NUM_WARPS)
         counter_pick_kernel[(b,)](logits, best, index, top, total, tokens, logp, logits.stride(0), inv,
-                                  SPLITS=splits, GREEDY=greedy, num_warps=1)
+                                  SPLITS=splits, num_warps=1)
     return tokens, logp
 
 

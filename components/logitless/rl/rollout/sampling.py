@@ -184,6 +184,27 @@ def token_hashes(vocab: int, device: Union[str, torch.device] = "cpu") -> torch.
     return _mix32((torch.arange(vocab, device=device, dtype=torch.int64) * 0x61C88647) & _MASK32)
 
 
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in (0, 1) from 32-bit hashes: the midpoints of ``2**23`` equal cells.
+
+    The top 23 bits pick the cell. Each midpoint ``(j + 0.5) / 2**23`` is an exact fp32 value in
+    ``[2**-24, 1 - 2**-24]``, so ``-log(-log(u))`` is finite for every hash; with 24 bits,
+    ``(2**24 - 1) + 0.5`` rounds to ``2**24`` in fp32 and made one hash value in ``2**24`` exactly 1
+    (a token drawn whatever its probability: about once every two steps at 64 rows x 151,936 tokens).
+
+    Args:
+        bits (torch.Tensor): int64 values in ``[0, 2**32)``.
+
+    Returns:
+        torch.Tensor: fp32 uniforms, the shape of ``bits``.
+
+    Example:
+        >>> uniform_from_bits(torch.tensor([0, 2**32 - 1])).tolist() == [2**-24, 1 - 2**-24]
+        True
+    """
+    return ((bits >> 9).float() + 0.5) * (1.0 / 2**23)
+
+
 def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int,
                     token_hash: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Uniforms in (0, 1) for every ``(row, token)``, a function of ``(keys[row], step, token)`` only.
@@ -195,7 +216,7 @@ def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int,
         token_hash (Optional[torch.Tensor]): :func:`token_hashes` of ``vocab`` (computed here if None).
 
     Returns:
-        torch.Tensor: ``(B, V)`` fp32 uniforms, 24 random bits each.
+        torch.Tensor: ``(B, V)`` fp32 uniforms (:func:`uniform_from_bits`).
 
     Example:
         >>> u = counter_uniform(torch.tensor([7, 8]), torch.tensor([0]), 5)
@@ -207,7 +228,7 @@ def counter_uniform(keys: torch.Tensor, step: torch.Tensor, vocab: int,
     lo, hi = keys & _MASK32, (keys >> 32) & _MASK32
     row = _mix32(lo ^ _mix32(hi ^ _mix32(step & _MASK32)))[:, None]
     bits = _mix32(_mix32(row ^ token_hash[None, :]) ^ row)
-    return ((bits >> 8).float() + 0.5) * (1.0 / 2**24)
+    return uniform_from_bits(bits)
 
 
 def sample_counter(
