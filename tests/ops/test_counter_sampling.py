@@ -76,6 +76,24 @@ def test_a_token_whose_hash_is_the_largest_is_drawn_only_by_its_probability():
         assert 389 not in tokens.tolist() and torch.equal(tokens, ref_tokens)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a full vocabulary for many steps: GPU only")
+def test_a_near_certain_token_is_always_drawn_at_a_full_vocabulary():
+    # every other token has probability ~1e-13: in 64 x 300 draws the expected count of others is
+    # 3e-4, while a uniform of exactly 1 (one hash value in 2**24) drew one in 0.9% of them
+    vocab = 151936
+    logits = torch.full((64, vocab), -30.0, device=DEVICE)
+    logits[:, 7] = 0.0
+    keys = torch.randint(0, 2**62, (64,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    kernel, reference = [], []
+    for t in range(300):
+        step = torch.tensor([t], device=DEVICE)
+        kernel.append(counter_draw(logits, keys, step, temperature=1.0)[0])
+        if t < 30:
+            reference.append(sample_counter(logits, keys, step, temperature=1.0)[0])
+    assert int((torch.stack(kernel) != 7).sum()) == 0
+    assert int((torch.stack(reference) != 7).sum()) == 0
+
+
 @triton.jit
 def _gumbel_of_cells_kernel(cells_ptr, out_ptr, n, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
