@@ -68,10 +68,10 @@ def _gumbel2(u, FAST_LOG: tl.constexpr):
 
     The inner log is the accurate one: near ``u = 1``, where the largest noise (the likely winner)
     comes from, ``lg2.approx.f32`` has an absolute error of about ``2**-22`` against values down to
-    ``2**-23``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
+    about ``1e-7``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
     (with ``FAST_LOG``, on NVIDIA GPUs) keeps about 2 ulp relative. Over all ``2**23`` uniforms of
-    :func:`~logitless.rl.rollout.sampling.uniform_from_bits` that is within 3 ulp of float64 on an
-    H200; both logs fast it was off by up to 2.9 (``benchmarks/results/counter_draw_h200.csv``).
+    :func:`~logitless.rl.rollout.sampling.uniform_from_bits` that is within 2.8 ulp of float64 on an
+    H200; with both logs approximate it was off by up to 2.86 (``benchmarks/results/counter_draw_h200.csv``).
     """
     a = -tl.math.log2(u)
     if FAST_LOG:
