@@ -71,7 +71,8 @@ def _gumbel2(u, FAST_LOG: tl.constexpr):
     about ``1e-7``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
     (with ``FAST_LOG``, on NVIDIA GPUs) keeps about 2 ulp relative. Over all ``2**23`` uniforms of
     :func:`~logitless.rl.rollout.sampling.uniform_from_bits` that is within 2.8 ulp of float64 on an
-    H200; with both logs approximate it was off by up to 2.86 (``benchmarks/results/counter_draw_h200.csv``).
+    H200; with both logs approximate it was off by up to 1e6 ulp (``benchmarks/bench_counter_draw.py``,
+    ``benchmarks/results/counter_draw_h200.csv``).
     """
     a = -tl.math.log2(u)
     if FAST_LOG:
