@@ -58,9 +58,13 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sft import _add_columns  # noqa: E402
 
 SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "qwen7b": (8192, 3584, 152064),
@@ -423,7 +427,8 @@ class _Rows(list):
 
     def __init__(self, path, fields):
         super().__init__()
-        self.path, self.fields = path, fields
+        # an existing CSV of fewer columns is rewritten under the new header first, so rows line up
+        self.path, self.fields = path, _add_columns(Path(path), fields) if path else fields
         if path and not os.path.exists(path):
             with open(path, "w", newline="") as fh:
                 csv.DictWriter(fh, fieldnames=fields).writeheader()
@@ -680,17 +685,23 @@ def hgemm_sweep(shape, out=None, reps=5, ignore_frac=0.1):
     statistics GEMM in ``fwd``, dlogits GEMM in ``logp``, dW GEMM in ``ce``; times in GEMMs of the
     same run. Prints the table last, the fastest configuration per kind marked.
     """
+    import triton
+
     from logitless.ops.triton import gemm_epilogues
     from logitless.settings import settings
 
     h, w, y, g1, g2, _ = head_inputs(shape, torch.device("cuda"), "gaussian", 2.0, ignore_frac)
-    fields = ["shape", "kernel", "mode", "blocks", "programs_per_sm", "ms", "gemms", "peak_extra_gib", "note"]
+    fields = ["shape", "kernel", "mode", "blocks", "programs_per_sm", "ms", "gemms", "peak_extra_gib", "note", "gpu",
+              "torch", "triton", "date"]
     rows = _Rows(out, fields)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat())
     defaults = dict(gemm_epilogues.BLOCKS)
     for kind, mode in SWEEP_KINDS:
         for cfg in SWEEP_BLOCKS:
             for per_sm in (1, 2):
-                base = dict(shape=shape, kernel=kind, mode=mode, blocks="x".join(map(str, cfg)), programs_per_sm=per_sm)
+                base = dict(shape=shape, kernel=kind, mode=mode, blocks="x".join(map(str, cfg)), programs_per_sm=per_sm,
+                            **meta)
                 gemm_epilogues.BLOCKS[(kind, torch.bfloat16)] = cfg
                 try:
                     with settings.override(head_gemm_programs_per_sm=per_sm):

@@ -1,6 +1,7 @@
 """bench_head.py's builders agree with its float64 reference (CPU, fp32, tiny head; the GPU run
 only times them)."""
 
+import csv
 import os
 import shutil
 
@@ -229,3 +230,12 @@ def test_tables_print_every_measured_row(bench, tmp_path):
     assert "| ce | **triton** | 53.3 | **4.25** | 1.38 | 1.3e-06 | 2.8e-03 | 2.8e-03 |" in text
     assert "| fwd | cce | 16.3 | 1.32 | 0.00 | 2.4e-04 |  |  |" in text
     assert "liger" not in text  # rows without a time are notes, not table rows
+
+
+def test_rows_appended_to_an_older_csv_line_up_with_their_columns(bench, tmp_path):
+    path = tmp_path / "sweep.csv"
+    path.write_text("shape,ms\nqwen7b,1.5\n")  # written before the run metadata was a column
+    rows = bench._Rows(str(path), ["shape", "ms", "gpu"])
+    rows.append(dict(shape="qwen05b", ms=2.5, gpu="NVIDIA H200"))
+    got = list(csv.DictReader(path.open()))
+    assert got == [dict(shape="qwen7b", ms="1.5", gpu=""), dict(shape="qwen05b", ms="2.5", gpu="NVIDIA H200")]
