@@ -168,7 +168,26 @@ def row_blocks(rows: int):
 
 def balanced_linear(x, w, out, programs, splits=1, gated=False, atomic=False, warps=4, stages=4, block_k=64,
                     pdl=False, prefetch=False):
-    """Launches :func:`balanced_linear_kernel` with about ``programs`` row ranges into ``out``."""
+    """``x @ w.T`` (gated: ``silu(x @ w[:N].T) * (x @ w[N:].T)``) by :func:`balanced_linear_kernel`.
+
+    Args:
+        x (Tensor): ``(M, K)`` rows, ``M <= 128``, contiguous rows.
+        w (Tensor): ``(N, K)`` weight (``(2N, K)``, gate rows first, when ``gated``), contiguous rows.
+        out (Tensor): ``(splits, M, N)`` (``atomic``: ``(1, M, N)`` fp32, zeroed by the caller).
+        programs (int): about this many row ranges of ``ceil(N / programs)`` rows each.
+        splits (int): ranges of the reduction; each writes (or, ``atomic``, adds) its partial sums.
+        gated, atomic (bool): as above.
+        warps, stages, block_k (int): the launch's warps, pipeline stages and reduction block.
+        pdl (bool): a programmatic dependent launch (sm_90): waits for the previous kernel after
+            letting the next one launch (and, ``prefetch``, after prefetching its weights into L2).
+        prefetch (bool): with ``pdl``, prefetch the program's weight rows into L2 before the wait.
+
+    Returns:
+        Tensor: ``out``.
+
+    Example:
+        >>> act = balanced_linear(h, w_gate_up, torch.empty(1, 64, 8960, **like), 132, gated=True)[0]
+    """
     m, k = x.shape
     n = w.shape[0] // (2 if gated else 1)
     rows = triton.cdiv(n, programs)
