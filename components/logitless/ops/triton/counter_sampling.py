@@ -163,7 +163,7 @@ def counter_draw_splits(rows: int, vocab: int, num_sms: int = 132) -> int:
 
     Example:
         >>> counter_draw_splits(64, 151936), counter_draw_splits(8, 151936), counter_draw_splits(4, 100)
-        (17, 16, 1)
+        (16, 16, 1)
     """
     return max(1, min(triton.cdiv(vocab, BLOCK_V), triton.cdiv(PROGRAMS_PER_SM * num_sms, rows), MAX_SPLITS))
 
