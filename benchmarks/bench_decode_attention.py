@@ -220,7 +220,7 @@ def bench(args):
                     if name == "split_k_shared":  # the prompt read once per group
                         split = 0 if launch["split_len"] == "auto" else launch["split_len"]
                         shared = (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled)
-                        resolved = module.resolve_launch(rows, hkv, args.cache_len, device, split)[0]
+                        resolved = module.resolve_launch(rows, hkv, args.cache_len, device, split, shared_prompt=True)[0]
                         row.update(launch, prompt_len=args.prompt_len, group=args.group, bytes=nbytes - shared,
                                    resolved_split_len=resolved)
                     try:

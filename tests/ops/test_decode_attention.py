@@ -6,6 +6,7 @@ On a machine without CUDA the kernels run in Triton's CPU interpreter (``tests/c
 """
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -363,6 +364,21 @@ def test_default_split_length_grows_with_rows_from_its_floor():
         # many rows aim at PROGRAMS_PER_SM programs per SM of an H200, within a factor of two
         programs = 256 * 2 * -(-length // splits[-1])
         assert splits[-1] == da.MAX_SPLIT or programs <= 2 * da.PROGRAMS_PER_SM * 132 * 2
+
+
+def test_a_shared_prompt_splits_the_rows_own_columns_finer():
+    """After a shared prompt the rows' splits cover only the completions' columns, so the default
+    aims at SHARED_PROGRAMS_PER_SM programs per SM over the cache: never a longer split than without
+    a prompt, and at the operating points measured on an H200 (64 rows, 1536 columns) 256 columns
+    at two K/V heads (Qwen2.5-0.5B/1.5B) and 512 at four (7B)."""
+    cpu = torch.device("cpu")
+    for rows, hkv, length in itertools.product((16, 32, 64, 128), (2, 4), (640, 1536, 4096)):
+        shared = da.resolve_launch(rows, hkv, length, cpu, shared_prompt=True)[0]
+        assert shared <= da.resolve_launch(rows, hkv, length, cpu)[0]
+        programs = rows * hkv * -(-length // shared)
+        assert shared in (da.MIN_SPLIT, da.MAX_SPLIT) or programs <= 2 * da.SHARED_PROGRAMS_PER_SM * 132
+    assert da.resolve_launch(64, 2, 1536, cpu, shared_prompt=True)[0] == 256
+    assert da.resolve_launch(64, 4, 1536, cpu, shared_prompt=True)[0] == 512
 
 
 _COMPILE_FOR_H200 = """

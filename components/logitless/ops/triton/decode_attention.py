@@ -10,7 +10,8 @@ the cache is cut into splits of ``split_len`` columns, on a grid that depends on
   (torchtune's order: query head ``h`` reads K/V head ``h // G``), up to ``n_filled`` only, and
   keeps an fp32 online softmax: the running max ``m``, the sum ``l`` of ``exp(s - m)`` and the
   weighted sum ``acc`` of the values, written to an fp32 workspace. A split that starts at or
-  beyond ``n_filled`` loads and writes nothing: the merge never reads it. A split whose keys are
+  beyond ``n_filled`` exits at once (split 0 excepted): it loads and writes nothing, and the merge
+  never waits for it nor reads it. A split whose keys are
   all masked (left padding) writes the empty partial ``m = -inf``, ``l = 0``, ``acc = 0``.
 * the merge: the last partial program of a (row, K/V head) to finish (an arrival count per pair,
   :func:`reserve_arrivals`) merges that row's partials itself; without reserved counters
@@ -88,6 +89,13 @@ MIN_SPLIT, MAX_SPLIT = 256, 512
 #: Programs per SM the automatic split length aims at for a full cache: one (longer splits at many
 #: rows) measured best in the same sweep as the launch (2 and 4: 1.02x and 1.04x its time).
 PROGRAMS_PER_SM = 1
+#: The same with a shared prompt (:class:`SharedPrefix`): the rows' own splits then cover only the
+#: columns after the prompt, a fraction of the cache, so the rule aims at more programs over the
+#: whole of it. With splits that hold no column exiting at once, 64 rows of a 1536-column cache (a
+#: 1024-column prompt in groups of 16) took 256-column splits at Qwen2.5-0.5B and 1.5B (0.80-1.00x
+#: the time of 512) and kept 512 at 7B, whose 512 measured 0.96-1.00x 256's on an H200
+#: (``benchmarks/results/decode_attention_early_exit_h200.csv``).
+SHARED_PROGRAMS_PER_SM = 4
 #: Shared-prefix programs (:func:`decode_prefix_kernel`): rows x query heads of one program's query
 #: operand at most (a longer segment is cut into several), its inner-loop block and warps (for an
 #: operand above 64 x 128; 4 below). 128 queries keep the fp32 accumulator in registers at head_dim 128.
@@ -318,7 +326,10 @@ def decode_partial_kernel(
     """Grid ``(B, Hkv, splits)``: the online-softmax partial of columns
     ``[col0 + split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V
     head, into workspace slot ``SLOT0 + split`` (``col0`` = 0, or the shared prefix's width with
-    ``HAS_PREFIX``: :func:`decode_prefix_kernel` covers the columns before it).
+    ``HAS_PREFIX``: :func:`decode_prefix_kernel` covers the columns before it). A program whose
+    split starts at or past ``n_filled`` exits at once (split 0 excepted): past the first steps of
+    a rollout most of a grid sized for the whole cache is such programs, and they neither count
+    themselves nor hold up the merge.
 
     Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
     and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
@@ -326,9 +337,10 @@ def decode_partial_kernel(
     programmatic dependent launch, so it waits for the previous kernel before its first load.
 
     ``MERGE``: the last program of a (row, K/V head) to finish also merges its partials into the
-    output, as :func:`decode_merge_kernel` would (one launch fewer). Every program counts itself in
+    output, as :func:`decode_merge_kernel` would (one launch fewer). Every program whose split holds
+    columns (and split 0, which merges a row without columns of its own) counts itself in
     ``arrivals[row * Hkv + head]`` (int32, zero before the launch) after its stores; the one that
-    brings the count to the number of splits merges, in slot order (the same sums as the merge
+    brings the count to the number of such splits merges, in slot order (the same sums as the merge
     kernel's, so the same output bits), and sets the count back to zero for the next launch.
 
     With ``HAS_PREFIX`` and ``PDL`` the kernel before it is :func:`decode_prefix_kernel`, which lets it
@@ -353,66 +365,70 @@ def decode_partial_kernel(
         col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
     start = col0 + split * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, n)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
-    loop_end = end
-    if ROTARY:
-        d_ok = d < D
-        cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
-        sin = tl.load(sin_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
-        q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
-                     sin[None, :], q_ok, D // 2, INTERLEAVED)
-        col = n - 1
-        own = (col >= start) & (col < end)  # this program holds the step's own column
-        # the new key and value go into the caches, and into the softmax from registers after the
-        # loop: nothing waits for the stores. `write` is `own` per element: the interpreter does not
-        # broadcast a scalar mask
-        write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
-        k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
-        v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
-        tl.store(k_ptr + b * stride_kb + h * stride_kh + col.to(tl.int64) * stride_kl + d * stride_kd, k_new,
-                 mask=write)
-        tl.store(v_ptr + b * stride_vb + h * stride_vh + col.to(tl.int64) * stride_vl + d * stride_vd, v_new,
-                 mask=write)
-        loop_end = tl.where(own, col, end)
-    else:
-        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=q_ok, other=0.0)
-    m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
-                            valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
-                            start, loop_end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
-    if ROTARY:
-        if own:  # the step's own column, as one more column of the loop's last block
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-            valid_new = tl.load(valid_ptr + b * stride_mb + col.to(tl.int64) * stride_ml) != 0
-            s_new = tl.where(valid_new, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - ref)
-            p = tl.exp(s_new - ref)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
-    if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
-        tl.extra.cuda.gdc_launch_dependents()
-    # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
-    # split writes nothing
-    row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + SLOT0 + split) * G + g
-    keep = (g < G) & (start + 0 * g < end)
-    tl.store(m_ptr + row, m_i, mask=keep)
-    tl.store(l_ptr + row, l_i, mask=keep)
-    tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
-    if PDL and HAS_PREFIX:  # the prefix partials are complete and visible past this point
-        tl.extra.cuda.gdc_wait()
-    if MERGE:
-        tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
-        counter = arrivals_ptr + b * tl.num_programs(1) + h
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
-                       tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
-                       HAS_PREFIX)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+    # the splits that hold columns: the others exit at once, and neither count themselves nor hold
+    # up the merge (split 0 always runs, to merge a row with no columns of its own)
+    active = tl.maximum(tl.cdiv(n - col0, SPLIT_LEN), 1)
+    if split < active:
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
+        loop_end = end
+        if ROTARY:
+            d_ok = d < D
+            cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+            sin = tl.load(sin_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+            q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
+                         sin[None, :], q_ok, D // 2, INTERLEAVED)
+            col = n - 1
+            own = (col >= start) & (col < end)  # this program holds the step's own column
+            # the new key and value go into the caches, and into the softmax from registers after the
+            # loop: nothing waits for the stores. `write` is `own` per element: the interpreter does not
+            # broadcast a scalar mask
+            write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
+            k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
+            v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
+            tl.store(k_ptr + b * stride_kb + h * stride_kh + col.to(tl.int64) * stride_kl + d * stride_kd, k_new,
+                     mask=write)
+            tl.store(v_ptr + b * stride_vb + h * stride_vh + col.to(tl.int64) * stride_vl + d * stride_vd, v_new,
+                     mask=write)
+            loop_end = tl.where(own, col, end)
+        else:
+            q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                        mask=q_ok, other=0.0)
+        m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
+                                valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                                start, loop_end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+        if ROTARY:
+            if own:  # the step's own column, as one more column of the loop's last block
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                valid_new = tl.load(valid_ptr + b * stride_mb + col.to(tl.int64) * stride_ml) != 0
+                s_new = tl.where(valid_new, s_new, float("-inf"))
+                m_new = tl.maximum(m_i, s_new)
+                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - ref)
+                p = tl.exp(s_new - ref)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
+        if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
+            tl.extra.cuda.gdc_launch_dependents()
+        # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
+        # split writes nothing
+        row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + SLOT0 + split) * G + g
+        keep = (g < G) & (start + 0 * g < end)
+        tl.store(m_ptr + row, m_i, mask=keep)
+        tl.store(l_ptr + row, l_i, mask=keep)
+        tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+        if PDL and HAS_PREFIX:  # the prefix partials are complete and visible past this point
+            tl.extra.cuda.gdc_wait()
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
+            counter = arrivals_ptr + b * tl.num_programs(1) + h
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
+                _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
+                           tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
+                           HAS_PREFIX)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -533,8 +549,9 @@ def decode_merge_kernel(
                tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN, HAS_PREFIX)
 
 
-def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132) -> int:
-    """The split length when none is given: about ``PROGRAMS_PER_SM`` programs per SM over a full
+def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The split length when none is given: about ``programs_per_sm`` programs per SM over a full
     cache, a power of two in ``[MIN_SPLIT, MAX_SPLIT]``.
 
     Many rows get long splits, so that fewer partials are written and merged. Few rows (a compacted
@@ -546,15 +563,17 @@ def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132)
         kv_heads (int): Hkv.
         length (int): the cache length L.
         num_sms (int): streaming multiprocessors of the GPU (an H200 has 132).
+        programs_per_sm (int): :data:`PROGRAMS_PER_SM`, or :data:`SHARED_PROGRAMS_PER_SM` for the
+            rows' own columns after a shared prompt.
 
     Returns:
         int: columns per split.
 
     Example:
-        >>> default_split_len(64, 4, 4096), default_split_len(8, 2, 1536)
-        (512, 256)
+        >>> default_split_len(64, 4, 4096), default_split_len(8, 2, 1536), default_split_len(64, 2, 1536, 132, 4)
+        (512, 256, 256)
     """
-    target = rows * kv_heads * length / (PROGRAMS_PER_SM * num_sms)
+    target = rows * kv_heads * length / (programs_per_sm * num_sms)
     split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
     return max(MIN_SPLIT, min(MAX_SPLIT, split))
 
@@ -565,7 +584,8 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
-def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device) -> int:
+def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device,
+                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """The split length the kernel runs with when none is given: :func:`default_split_len` for
     ``device``'s SMs, at least one ``block_n`` block.
 
@@ -573,6 +593,7 @@ def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device
         rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
         block_n (int): columns per inner-loop block.
         device (torch.device): where the kernel runs (its SM count; 132 off CUDA).
+        programs_per_sm (int): as :func:`default_split_len`'s.
 
     Returns:
         int: columns per split.
@@ -581,7 +602,7 @@ def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device
         >>> launch_split_len(8, 2, 1536, 64, torch.device("cpu"))
         256
     """
-    return max(block_n, default_split_len(rows, kv_heads, length, _num_sms(device)))
+    return max(block_n, default_split_len(rows, kv_heads, length, _num_sms(device), programs_per_sm))
 
 
 def prefix_split_len_for(segments: int, kv_heads: int, length: int, device: torch.device) -> int:
@@ -653,7 +674,8 @@ def _read_shared_prefix(k: Tensor, v: Tensor, ok: Tensor, prefix: SharedPrefix) 
 
 
 def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, split_len: int = 0,
-                   block_n: int = 0, num_warps: int = 0, num_stages: int = 0) -> Tuple[int, int, int, int]:
+                   block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
+                   shared_prompt: bool = False) -> Tuple[int, int, int, int]:
     """The launch the kernels run with: the parameters given (non-zero), the defaults for the rest.
 
     The block defaults to :data:`BLOCK_N`, at most a given split; the split to
@@ -663,6 +685,8 @@ def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, 
         rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
         device (torch.device): where the kernels run (its SM count).
         split_len, block_n, num_warps, num_stages (int): as given; 0 = the default.
+        shared_prompt (bool): the rows' own splits after a :class:`SharedPrefix` (the default split
+            aims at :data:`SHARED_PROGRAMS_PER_SM`).
 
     Returns:
         Tuple[int, int, int, int]: ``(split_len, block_n, num_warps, num_stages)``.
@@ -675,7 +699,8 @@ def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, 
         block_n = block_n or min(BLOCK_N, split_len)
     else:
         block_n = block_n or BLOCK_N
-        split_len = launch_split_len(rows, kv_heads, length, block_n, device)
+        split_len = launch_split_len(rows, kv_heads, length, block_n, device,
+                                     SHARED_PROGRAMS_PER_SM if shared_prompt else PROGRAMS_PER_SM)
     return split_len, block_n, num_warps or NUM_WARPS, num_stages or NUM_STAGES
 
 
@@ -770,7 +795,8 @@ def _decode_attention_shared_prefix_op(q: Tensor, k: Tensor, v: Tensor, key_vali
     prefix = SharedPrefix(width, seg_start, seg_rows, covered, max_rows)
     if not (q.is_cuda or _interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale, shared_prefix=prefix)
-    launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
+    launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages,
+                            shared_prompt=True)
     psl = prefix_split_len or prefix_split_len_for(seg_start.shape[0], k.shape[1], k.shape[2], q.device)
     return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
                    (width, seg_start, seg_rows, covered, max_rows, psl))
@@ -910,7 +936,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
             (the step's own key included), shared by all rows; later columns are never read.
         scale (Optional[float]): multiplies ``q . k``; None = ``1 / sqrt(D)``.
         split_len (Optional[int]): cache columns per program (a power of two, a multiple of
-            ``block_n``); None = :func:`launch_split_len` for the shapes and the GPU.
+            ``block_n``); None = :func:`launch_split_len` for the shapes and the GPU (with
+            ``shared_prefix``, aiming at :data:`SHARED_PROGRAMS_PER_SM`).
         block_n (Optional[int]): columns per inner-loop block (a power of two >= 16); None =
             :data:`BLOCK_N` (at most ``split_len``).
         num_warps (Optional[int]): warps per program of the partial kernel; None = :data:`NUM_WARPS`.
