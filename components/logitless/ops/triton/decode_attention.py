@@ -92,7 +92,7 @@ PROGRAMS_PER_SM = 1
 #: The same with a shared prompt (:class:`SharedPrefix`): the rows' own splits then cover only the
 #: columns after the prompt, a fraction of the cache, so the rule aims at more programs over the
 #: whole of it. With splits that hold no column exiting at once, 64 rows of a 1536-column cache (a
-#: 1024-column prompt in groups of 16) took 256-column splits at Qwen2.5-0.5B and 1.5B (0.80-1.00x
+#: 1024-column prompt in groups of 16) took 256-column splits at Qwen2.5-0.5B and 1.5B (0.79-1.00x
 #: the time of 512) and kept 512 at 7B, whose 512 measured 0.96-1.00x 256's on an H200
 #: (``benchmarks/results/decode_attention_early_exit_h200.csv``).
 SHARED_PROGRAMS_PER_SM = 4
