@@ -368,67 +368,68 @@ def decode_partial_kernel(
     # the splits that hold columns: the others exit at once, and neither count themselves nor hold
     # up the merge (split 0 always runs, to merge a row with no columns of its own)
     active = tl.maximum(tl.cdiv(n - col0, SPLIT_LEN), 1)
-    if split < active:
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
-        loop_end = end
-        if ROTARY:
-            d_ok = d < D
-            cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
-            sin = tl.load(sin_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
-            q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
-                         sin[None, :], q_ok, D // 2, INTERLEAVED)
-            col = n - 1
-            own = (col >= start) & (col < end)  # this program holds the step's own column
-            # the new key and value go into the caches, and into the softmax from registers after the
-            # loop: nothing waits for the stores. `write` is `own` per element: the interpreter does not
-            # broadcast a scalar mask
-            write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
-            k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
-            v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
-            tl.store(k_ptr + b * stride_kb + h * stride_kh + col.to(tl.int64) * stride_kl + d * stride_kd, k_new,
-                     mask=write)
-            tl.store(v_ptr + b * stride_vb + h * stride_vh + col.to(tl.int64) * stride_vl + d * stride_vd, v_new,
-                     mask=write)
-            loop_end = tl.where(own, col, end)
-        else:
-            q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
-                        mask=q_ok, other=0.0)
-        m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
-                                valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
-                                start, loop_end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
-        if ROTARY:
-            if own:  # the step's own column, as one more column of the loop's last block
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-                valid_new = tl.load(valid_ptr + b * stride_mb + col.to(tl.int64) * stride_ml) != 0
-                s_new = tl.where(valid_new, s_new, float("-inf"))
-                m_new = tl.maximum(m_i, s_new)
-                ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - ref)
-                p = tl.exp(s_new - ref)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
-        if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
-            tl.extra.cuda.gdc_launch_dependents()
-        # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
-        # split writes nothing
-        row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + SLOT0 + split) * G + g
-        keep = (g < G) & (start + 0 * g < end)
-        tl.store(m_ptr + row, m_i, mask=keep)
-        tl.store(l_ptr + row, l_i, mask=keep)
-        tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
-        if PDL and HAS_PREFIX:  # the prefix partials are complete and visible past this point
-            tl.extra.cuda.gdc_wait()
-        if MERGE:
-            tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
-            counter = arrivals_ptr + b * tl.num_programs(1) + h
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
-                _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
-                           tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
-                           HAS_PREFIX)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+    if split >= active:
+        return
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    q_ok = ((g < G) & (start + 0 * g < end))[:, None] & (d < D)[None, :]  # an empty split loads nothing
+    loop_end = end
+    if ROTARY:
+        d_ok = d < D
+        cos = tl.load(cos_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+        sin = tl.load(sin_ptr + b * stride_cb + d, mask=d_ok, other=0.0)
+        q = _rotated(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh, d[None, :], cos[None, :],
+                     sin[None, :], q_ok, D // 2, INTERLEAVED)
+        col = n - 1
+        own = (col >= start) & (col < end)  # this program holds the step's own column
+        # the new key and value go into the caches, and into the softmax from registers after the
+        # loop: nothing waits for the stores. `write` is `own` per element: the interpreter does not
+        # broadcast a scalar mask
+        write = d_ok & (col + 0 * d >= start) & (col + 0 * d < end)
+        k_new = _rotated(k_new_ptr + b * stride_nkb + h * stride_nkh, d, cos, sin, write, D // 2, INTERLEAVED)
+        v_new = tl.load(v_new_ptr + b * stride_nvb + h * stride_nvh + d, mask=write, other=0.0)
+        tl.store(k_ptr + b * stride_kb + h * stride_kh + col.to(tl.int64) * stride_kl + d * stride_kd, k_new,
+                 mask=write)
+        tl.store(v_ptr + b * stride_vb + h * stride_vh + col.to(tl.int64) * stride_vl + d * stride_vd, v_new,
+                 mask=write)
+        loop_end = tl.where(own, col, end)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=q_ok, other=0.0)
+    m_i, l_i, acc = _attend(q, k_ptr + b * stride_kb + h * stride_kh, v_ptr + b * stride_vb + h * stride_vh,
+                            valid_ptr + b * stride_mb, stride_kl, stride_kd, stride_vl, stride_vd, stride_ml,
+                            start, loop_end, scale, G_PAD, D, D_PAD, BLOCK_N, WIDE_DOT)
+    if ROTARY:
+        if own:  # the step's own column, as one more column of the loop's last block
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            valid_new = tl.load(valid_ptr + b * stride_mb + col.to(tl.int64) * stride_ml) != 0
+            s_new = tl.where(valid_new, s_new, float("-inf"))
+            m_new = tl.maximum(m_i, s_new)
+            ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - ref)
+            p = tl.exp(s_new - ref)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+    if PDL:  # the next kernel may launch now; it waits for this grid to finish before reading
+        tl.extra.cuda.gdc_launch_dependents()
+    # (B, Hkv, NUM_SLOTS, G[, D_PAD]) fp32; the merge reads the non-empty splits only, so an empty
+    # split writes nothing
+    row = ((b * tl.num_programs(1) + h) * NUM_SLOTS + SLOT0 + split) * G + g
+    keep = (g < G) & (start + 0 * g < end)
+    tl.store(m_ptr + row, m_i, mask=keep)
+    tl.store(l_ptr + row, l_i, mask=keep)
+    tl.store(acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+    if PDL and HAS_PREFIX:  # the prefix partials are complete and visible past this point
+        tl.extra.cuda.gdc_wait()
+    if MERGE:
+        tl.debug_barrier()  # every thread's stores are issued before the count (a release, gpu scope)
+        counter = arrivals_ptr + b * tl.num_programs(1) + h
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
+            _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
+                       tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
+                       HAS_PREFIX)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
