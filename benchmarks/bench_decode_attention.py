@@ -174,23 +174,27 @@ def time_call(fn, device, reps, iters):
     return start.elapsed_time(end) / 1e3 / (iters * reps)
 
 
-def resolved_launch(launch, rows, kv_heads, cache_len, device):
+def resolved_launch(launch, rows, kv_heads, cache_len, filled, device):
     """The launch parameters split-K runs with: those given, the kernel's defaults for the rest
     (:func:`logitless.ops.triton.decode_attention.resolve_launch`).
 
     Returns:
-        dict: ``split_len`` (``"auto"`` or the one given), ``resolved_split_len``, ``block_n``,
+        dict: ``split_len`` (``"auto"`` or the one given), ``resolved_split_len`` (with ``"auto"``
+        the split the kernels choose at ``filled`` columns: :func:`fill_split_len`), ``block_n``,
         ``num_warps``, ``num_stages`` and ``programmatic`` (0/1, as asked; the kernel uses it where the
         GPU supports it).
     """
-    from logitless.ops.triton.decode_attention import resolve_launch
-
+    module = _kernel_module()
     split = launch["split_len"]
-    resolved, block_n, warps, stages = resolve_launch(rows, kv_heads, cache_len, device, split or 0,
-                                                      launch["block_n"] or 0, launch["num_warps"] or 0,
-                                                      launch["num_stages"] or 0)
-    return dict(split_len="auto" if split is None else split, resolved_split_len=resolved, block_n=block_n,
-                num_warps=warps, num_stages=stages, programmatic=int(launch["programmatic_launch"]))
+    resolved = module.resolve_launch(rows, kv_heads, cache_len, device, split or 0, launch["block_n"] or 0,
+                                     launch["num_warps"] or 0, launch["num_stages"] or 0)
+    chosen = resolved.split_len
+    if resolved.max_split_len > resolved.split_len:
+        chosen = module.fill_split_len(filled, rows * kv_heads, module._num_sms(device), resolved.split_len,
+                                       resolved.max_split_len)
+    return dict(split_len="auto" if split is None else split, resolved_split_len=chosen, block_n=resolved.block_n,
+                num_warps=resolved.num_warps, num_stages=resolved.num_stages,
+                programmatic=int(launch["programmatic_launch"]))
 
 
 def bench(args):
@@ -216,7 +220,7 @@ def bench(args):
                     row = dict(common, model=model, rows=rows, cache_len=args.cache_len, filled=filled, method=name,
                                bytes=nbytes, status="ok")
                     if name == "split_k":
-                        row.update(resolved_launch(launch, rows, hkv, args.cache_len, device))
+                        row.update(resolved_launch(launch, rows, hkv, args.cache_len, filled, device))
                     if name == "split_k_shared":  # the prompt read once per group
                         split = 0 if launch["split_len"] == "auto" else launch["split_len"]
                         shared = (rows - -(-rows // args.group)) * kv_row * min(args.prompt_len, filled)

@@ -30,11 +30,13 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
         assert float(r["max_diff"]) < 1e-5  # fp32 on the CPU: every method is the same attention
         assert int(r["bytes"]) == 2 * hkv * int(r["filled"]) * dim * 2 * 4 + 2 * 2 * hq * dim * 4
         assert r["of_copy_bw"] == "" and math.isnan(float(r["copy_gbps"]))  # no copy bandwidth off CUDA
-    from logitless.ops.triton.decode_attention import default_split_len
+    from logitless.ops.triton.decode_attention import FILL_MIN_SPLIT, MAX_SPLIT, fill_split_len
 
-    # the length split-K ran with: the automatic rule's (at least one block) or the one asked for
-    assert [r["resolved_split_len"] for r in rows if r["method"] == "split_k"] == 2 * [
-        str(max(int(block_n), default_split_len(2, hkv, 64))), "16"]
+    # the length split-K ran with: the one the kernels choose from the fill (at least one block), or the one asked for
+    floor = max(int(block_n), FILL_MIN_SPLIT)
+    assert [r["resolved_split_len"] for r in rows if r["method"] == "split_k"] == [
+        str(fill_split_len(9, 2 * hkv, 132, floor, max(floor, MAX_SPLIT))), "16",
+        str(fill_split_len(64, 2 * hkv, 132, floor, max(floor, MAX_SPLIT))), "16"]
 
 
 def test_launch_flags_sweep_every_combination_and_are_recorded(bench, tmp_path):

@@ -1,6 +1,7 @@
 """The fast sampler against the eager reference sampler and a naive full-recompute loop (CPU, fp32)."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -425,10 +426,12 @@ def _kernel_launches(monkeypatch):
 
     launches = Launches()
     launch = module._launch
+    signature = inspect.signature(launch)
 
     def record(*args, **kwargs):
-        launches.append((args[0].shape[0], kwargs.get("prefix", args[11] if len(args) > 11 else None)))
-        launches.new_token += kwargs.get("new_token") is not None
+        bound = signature.bind(*args, **kwargs).arguments
+        launches.append((args[0].shape[0], bound.get("prefix")))
+        launches.new_token += bound.get("new_token") is not None
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(module, "_launch", record)

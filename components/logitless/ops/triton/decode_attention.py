@@ -3,7 +3,9 @@
 The compiled sampler's decode step attends one new token per row to a cache of fixed length ``L``
 of which only the first ``n_filled`` columns hold keys. SDPA's decode kernels stream a row's whole
 window in one program, so their time follows the window, not the rows or the filled length. Here
-the cache is cut into splits of ``split_len`` columns, on a grid that depends on the shapes only:
+the cache is cut into splits of ``split_len`` columns, on a grid that depends on the shapes only
+(without a given split length, per-row attention cuts its grid for :data:`FILL_MIN_SPLIT` columns and
+its programs choose the split from ``n_filled`` at each launch, :func:`fill_split_len`):
 
 * ``decode_partial_kernel``, grid ``(B, Hkv, num_splits)``: one program per (row, K/V head,
   split) reads its split's keys and values once for all ``G`` query heads that share the K/V head
@@ -68,8 +70,8 @@ from torch import Tensor
 
 from logitless.ops.dispatch import _interpreting
 
-__all__ = ["NewToken", "SharedPrefix", "decode_attention", "decode_attention_reference", "default_split_len",
-           "launch_split_len",
+__all__ = ["Launch", "NewToken", "SharedPrefix", "decode_attention", "decode_attention_reference",
+           "default_split_len", "fill_split_len", "launch_split_len",
            "group_segments", "prefix_rows", "prefix_split_len_for", "reserve_arrivals", "resolve_launch",
            "shared_prefix_segments",
            "supports_programmatic_launch", "write_new_token_reference"]
@@ -96,6 +98,18 @@ PROGRAMS_PER_SM = 1
 #: the time of 512) and kept 512 at 7B, whose 512 measured 0.96-1.00x 256's on an H200
 #: (``benchmarks/results/decode_attention_early_exit_h200.csv``).
 SHARED_PROGRAMS_PER_SM = 4
+#: Per-row attention without a given split length chooses it on the device at every launch, from
+#: ``n_filled`` (:func:`fill_split_len`): the shortest power of two from ``FILL_MIN_SPLIT`` up to
+#: :data:`MAX_SPLIT` whose splits holding columns number at most ``FILL_PROGRAMS_PER_SM`` per SM over
+#: the grid's (row, K/V head) pairs and at most ``FILL_MAX_ROW_SPLITS`` per pair (the merge walks a
+#: pair's splits one after another). One captured grid then serves a rollout whose fill grows from the
+#: prompt to the cache's end: short splits while few columns are filled, long ones near the end. On an
+#: H200 (``benchmarks/results/decode_attention_fill_split_h200.csv``) the best fixed split over
+#: Qwen2.5-0.5B/1.5B/7B was 128 columns at 64 rows and 384 of 640 filled (2 K/V heads), 512 at 7B's
+#: 4 heads; at 8-16 rows of a 4096-column cache 128-256 at 1024 filled, 256 at 2048, and at 3584
+#: 256 for 8 rows of 2 heads (14 splits a pair; 16 splits of 128 at 2048 cost 0.5-0.8 us more than 8 of
+#: 256) and 512 otherwise: this rule picks each of them.
+FILL_MIN_SPLIT, FILL_PROGRAMS_PER_SM, FILL_MAX_ROW_SPLITS = 128, 3, 14
 #: Shared-prefix programs (:func:`decode_prefix_kernel`): rows x query heads of one program's query
 #: operand at most (a longer segment is cut into several), its inner-loop block and warps (for an
 #: operand above 64 x 128; 4 below). 128 queries keep the fp32 accumulator in registers at head_dim 128.
@@ -293,6 +307,21 @@ def _attend(q, k_base, v_base, valid_base, stride_kl, stride_kd, stride_vl, stri
 
 
 @triton.jit
+def _split_len(n, pairs, budget, SPLIT_LEN: tl.constexpr, FILL_STEPS: tl.constexpr, MAX_ROW_SPLITS: tl.constexpr):
+    """Columns per split for ``n`` columns to split over ``pairs`` (row, K/V head) pairs: ``SPLIT_LEN``,
+    or with ``FILL_STEPS`` the shortest of ``SPLIT_LEN << i`` (``i <= FILL_STEPS``) whose splits holding
+    columns number at most ``budget`` over the grid and ``MAX_ROW_SPLITS`` per pair (the longest if none
+    does). Every program reads the same ``n``, so all choose the same length; see :func:`fill_split_len`."""
+    split = SPLIT_LEN
+    if FILL_STEPS > 0:
+        split = n * 0 + SPLIT_LEN
+        for _ in tl.static_range(FILL_STEPS):
+            splits = tl.cdiv(n, split)
+            split = tl.where((pairs * splits > budget) | (splits > MAX_ROW_SPLITS), split * 2, split)
+    return split
+
+
+@triton.jit
 def _rotated(x_ptr, d, cos, sin, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Elements ``d`` of the vectors at ``x_ptr`` (contiguous) rotated by their position:
     ``x_d cos_d + x_e sin_d``, ``e`` the other element of ``d``'s pair (``d ^ 1`` with ``INTERLEAVED``,
@@ -322,14 +351,16 @@ def decode_partial_kernel(
     HAS_PREFIX: tl.constexpr, WIDE_DOT: tl.constexpr, PDL: tl.constexpr,
     MERGE: tl.constexpr = False, PREFIX_SPLIT_LEN: tl.constexpr = 1,
     ROTARY: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+    fill_budget=0, FILL_STEPS: tl.constexpr = 0, MAX_ROW_SPLITS: tl.constexpr = 1,
 ):
     """Grid ``(B, Hkv, splits)``: the online-softmax partial of columns
-    ``[col0 + split * SPLIT_LEN, min(+SPLIT_LEN, n_filled))`` for the ``G`` query heads of one K/V
+    ``[col0 + split * S, min(+S, n_filled))`` for the ``G`` query heads of one K/V
     head, into workspace slot ``SLOT0 + split`` (``col0`` = 0, or the shared prefix's width with
     ``HAS_PREFIX``: :func:`decode_prefix_kernel` covers the columns before it). A program whose
     split starts at or past ``n_filled`` exits at once (split 0 excepted): past the first steps of
     a rollout most of a grid sized for the whole cache is such programs, and they neither count
-    themselves nor hold up the merge.
+    themselves nor hold up the merge. ``S`` is ``SPLIT_LEN``, or with ``FILL_STEPS`` the split every
+    program chooses from ``n_filled`` (:func:`_split_len`; the grid is cut for ``SPLIT_LEN``).
 
     Both products accumulate in fp32; ``WIDE_DOT`` widens their operands to fp32 first (exactly)
     and multiplies in IEEE fp32: for fp32 inputs (no TF32 rounding), and for bf16 under the
@@ -363,11 +394,13 @@ def decode_partial_kernel(
     col0 = 0
     if HAS_PREFIX:
         col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
-    start = col0 + split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, n)
+    split_len = _split_len(n - col0, tl.num_programs(0) * tl.num_programs(1), fill_budget, SPLIT_LEN, FILL_STEPS,
+                           MAX_ROW_SPLITS)
+    start = col0 + split * split_len
+    end = tl.minimum(start + split_len, n)
     # the splits that hold columns: the others exit at once, and neither count themselves nor hold
     # up the merge (split 0 always runs, to merge a row with no columns of its own)
-    active = tl.maximum(tl.cdiv(n - col0, SPLIT_LEN), 1)
+    active = tl.maximum(tl.cdiv(n - col0, split_len), 1)
     if split >= active:
         return
     g = tl.arange(0, G_PAD)
@@ -427,7 +460,7 @@ def decode_partial_kernel(
         counter = arrivals_ptr + b * tl.num_programs(1) + h
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
             _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
-                       tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN,
+                       tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, split_len, PREFIX_SPLIT_LEN,
                        HAS_PREFIX)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
@@ -501,7 +534,7 @@ def _merge_slot(m_all, l_all, o, m_ptr, l_ptr, acc_ptr, row, g_ok, d, D_PAD: tl.
 @triton.jit
 def _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h, hkv,
                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-               NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr,
+               NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, split_len,
                PREFIX_SPLIT_LEN: tl.constexpr, HAS_PREFIX: tl.constexpr):
     """Merges the non-empty partials of the ``G`` query heads of K/V head ``h`` of row ``b`` into
     their outputs: with ``HAS_PREFIX``, the prefix splits of a row inside a segment (rows below
@@ -509,7 +542,7 @@ def _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, 
     prefix_used = 0
     if HAS_PREFIX:
         prefix_used = tl.where(b < tl.load(covered_ptr), tl.cdiv(col0, PREFIX_SPLIT_LEN), 0)
-    used = tl.cdiv(n - col0, SPLIT_LEN)  # the splits past n_filled are empty: not read
+    used = tl.cdiv(n - col0, split_len)  # the splits past n_filled are empty: not read
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     d = tl.arange(0, D_PAD)
@@ -534,6 +567,7 @@ def decode_merge_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SLOTS: tl.constexpr, SLOT0: tl.constexpr, SPLIT_LEN: tl.constexpr, PREFIX_SPLIT_LEN: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    fill_budget=0, FILL_STEPS: tl.constexpr = 0, MAX_ROW_SPLITS: tl.constexpr = 1,
 ):
     """Grid ``(B, Hkv)``: merges the non-empty partials of the ``G`` query heads of one K/V head
     into their outputs (one slot's ``(G, D)`` tile at a time): with ``HAS_PREFIX``, the prefix
@@ -546,8 +580,10 @@ def decode_merge_kernel(
     col0 = 0
     if HAS_PREFIX:
         col0 = tl.minimum(tl.load(col0_ptr), n).to(tl.int32)
+    split_len = _split_len(n - col0, tl.num_programs(0) * tl.num_programs(1), fill_budget, SPLIT_LEN, FILL_STEPS,
+                           MAX_ROW_SPLITS)
     _merge_row(m_ptr, l_ptr, acc_ptr, n, col0, covered_ptr, out_ptr, stride_ob, stride_oh, stride_od, b, h,
-               tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, SPLIT_LEN, PREFIX_SPLIT_LEN, HAS_PREFIX)
+               tl.num_programs(1), G, G_PAD, D, D_PAD, NUM_SLOTS, SLOT0, split_len, PREFIX_SPLIT_LEN, HAS_PREFIX)
 
 
 def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132,
@@ -577,6 +613,37 @@ def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132,
     target = rows * kv_heads * length / (programs_per_sm * num_sms)
     split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
     return max(MIN_SPLIT, min(MAX_SPLIT, split))
+
+
+def fill_split_len(columns: int, pairs: int, num_sms: int = 132, min_split: int = FILL_MIN_SPLIT,
+                   max_split: int = MAX_SPLIT) -> int:
+    """The split length the per-row kernels choose on the device for ``columns`` filled columns
+    (without a given split length): the shortest power of two from ``min_split`` up to
+    ``max_split`` whose splits holding columns number at most :data:`FILL_PROGRAMS_PER_SM` per SM
+    over ``pairs`` (row, K/V head) pairs and at most :data:`FILL_MAX_ROW_SPLITS` per pair, else
+    ``max_split``. The kernels compute the same from ``n_filled`` (``_split_len``).
+
+    Args:
+        columns (int): filled columns (``n_filled``).
+        pairs (int): rows x K/V heads of the launch.
+        num_sms (int): streaming multiprocessors of the GPU (an H200 has 132).
+        min_split (int): the shortest split (the launch's grid is cut for it).
+        max_split (int): the longest, a power-of-two multiple of ``min_split``.
+
+    Returns:
+        int: columns per split.
+
+    Example:
+        >>> fill_split_len(384, 64 * 2), fill_split_len(640, 64 * 2), fill_split_len(384, 64 * 4)
+        (128, 256, 512)
+    """
+    split, budget = min_split, FILL_PROGRAMS_PER_SM * num_sms
+    while split < max_split:
+        splits = -(-columns // split)
+        if pairs * splits <= budget and splits <= FILL_MAX_ROW_SPLITS:
+            break
+        split *= 2
+    return split
 
 
 def _num_sms(device: torch.device) -> int:
@@ -674,35 +741,64 @@ def _read_shared_prefix(k: Tensor, v: Tensor, ok: Tensor, prefix: SharedPrefix) 
     return k, v, ok
 
 
+class Launch(NamedTuple):
+    """The partial kernel's launch (:func:`resolve_launch`).
+
+    Fields: ``split_len`` (columns per split, the grid's cut), ``block_n``, ``num_warps``,
+    ``num_stages`` and ``max_split_len``: ``split_len`` for a fixed split; larger when the kernels
+    choose the split on the device from ``n_filled`` (:func:`fill_split_len`), from ``split_len`` up
+    to it.
+    """
+
+    split_len: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_split_len: int
+
+    @property
+    def fill_steps(self) -> int:
+        """Doublings of ``split_len`` the kernels may choose (0: a fixed split)."""
+        return (self.max_split_len // self.split_len).bit_length() - 1
+
+
 def resolve_launch(rows: int, kv_heads: int, length: int, device: torch.device, split_len: int = 0,
                    block_n: int = 0, num_warps: int = 0, num_stages: int = 0,
-                   shared_prompt: bool = False) -> Tuple[int, int, int, int]:
+                   shared_prompt: bool = False) -> Launch:
     """The launch the kernels run with: the parameters given (non-zero), the defaults for the rest.
 
-    The block defaults to :data:`BLOCK_N`, at most a given split; the split to
-    :func:`launch_split_len`; the warps and stages to :data:`NUM_WARPS` and :data:`NUM_STAGES`.
+    The block defaults to :data:`BLOCK_N`, at most a given split; the warps and stages to
+    :data:`NUM_WARPS` and :data:`NUM_STAGES`. Without a given split, the rows' own splits after a
+    shared prompt take :func:`launch_split_len` (aiming at :data:`SHARED_PROGRAMS_PER_SM`), and
+    per-row attention a split chosen on the device from ``n_filled`` between
+    :data:`FILL_MIN_SPLIT` (at least one block) and :data:`MAX_SPLIT` (:func:`fill_split_len`).
 
     Args:
         rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
         device (torch.device): where the kernels run (its SM count).
         split_len, block_n, num_warps, num_stages (int): as given; 0 = the default.
-        shared_prompt (bool): the rows' own splits after a :class:`SharedPrefix` (the default split
-            aims at :data:`SHARED_PROGRAMS_PER_SM`).
+        shared_prompt (bool): the rows' own splits after a :class:`SharedPrefix`.
 
     Returns:
-        Tuple[int, int, int, int]: ``(split_len, block_n, num_warps, num_stages)``.
+        Launch: ``(split_len, block_n, num_warps, num_stages, max_split_len)``.
 
     Example:
         >>> resolve_launch(8, 2, 1536, torch.device("cpu"), split_len=64)
-        (64, 64, 4, 2)
+        Launch(split_len=64, block_n=64, num_warps=4, num_stages=2, max_split_len=64)
+        >>> resolve_launch(64, 2, 640, torch.device("cpu"))
+        Launch(split_len=128, block_n=128, num_warps=4, num_stages=2, max_split_len=512)
     """
     if split_len:
         block_n = block_n or min(BLOCK_N, split_len)
+        longest = split_len
     else:
         block_n = block_n or BLOCK_N
-        split_len = launch_split_len(rows, kv_heads, length, block_n, device,
-                                     SHARED_PROGRAMS_PER_SM if shared_prompt else PROGRAMS_PER_SM)
-    return split_len, block_n, num_warps or NUM_WARPS, num_stages or NUM_STAGES
+        if shared_prompt:
+            split_len = longest = launch_split_len(rows, kv_heads, length, block_n, device, SHARED_PROGRAMS_PER_SM)
+        else:
+            split_len = max(block_n, FILL_MIN_SPLIT)
+            longest = max(split_len, MAX_SPLIT)
+    return Launch(split_len, block_n, num_warps or NUM_WARPS, num_stages or NUM_STAGES, longest)
 
 
 def supports_programmatic_launch(device: torch.device) -> bool:
@@ -717,12 +813,15 @@ def supports_programmatic_launch(device: torch.device) -> bool:
     return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float,
-            split_len: int, block_n: int, num_warps: int, num_stages: int, pdl: bool,
-            prefix: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int, int]] = None,
+def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float, launch: Launch,
+            pdl: bool, prefix: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, int, int]] = None,
             new_token: Optional[Tuple[Tensor, Tensor, Tensor, Tensor, bool]] = None) -> Tensor:
     # prefix: (width, seg_start, seg_rows, covered, max_rows, prefix_split_len) of a SharedPrefix;
     # new_token: (k, v, cos, sin, interleaved) of a NewToken
+    split_len, block_n, num_warps, num_stages = launch[:4]
+    # the grid and the workspace are cut for the shortest split; the kernels pick the split from n_filled
+    fill = dict(fill_budget=FILL_PROGRAMS_PER_SM * _num_sms(q.device), FILL_STEPS=launch.fill_steps,
+                MAX_ROW_SPLITS=FILL_MAX_ROW_SPLITS)
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -762,13 +861,14 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
         *outs, *rot_args, **rot_flags, G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots,
         SPLIT_LEN=split_len,
         BLOCK_N=block_n, HAS_PREFIX=prefix is not None, WIDE_DOT=wide, PDL=pdl, MERGE=arrivals is not None,
-        PREFIX_SPLIT_LEN=prefix_split_len, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        PREFIX_SPLIT_LEN=prefix_split_len, **fill, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if arrivals is None:
         decode_merge_kernel[(b, hkv)](
             m, l, acc, n_filled, width, *outs, length,
             G=group, G_PAD=g_pad, D=d, D_PAD=d_pad, NUM_SLOTS=slots, SLOT0=prefix_slots, SPLIT_LEN=split_len,
-            PREFIX_SPLIT_LEN=prefix_split_len, HAS_PREFIX=prefix is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            PREFIX_SPLIT_LEN=prefix_split_len, HAS_PREFIX=prefix is not None, PDL=pdl, **fill, num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 
@@ -783,7 +883,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_f
     if not (q.is_cuda or _interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
-    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device))
+    return _launch(q, k, v, key_valid, n_filled, scale, launch, programmatic and supports_programmatic_launch(q.device))
 
 
 @torch.library.custom_op("logitless::decode_attention_shared_prefix", mutates_args=())
@@ -799,7 +899,7 @@ def _decode_attention_shared_prefix_op(q: Tensor, k: Tensor, v: Tensor, key_vali
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages,
                             shared_prompt=True)
     psl = prefix_split_len or prefix_split_len_for(seg_start.shape[0], k.shape[1], k.shape[2], q.device)
-    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
+    return _launch(q, k, v, key_valid, n_filled, scale, launch, programmatic and supports_programmatic_launch(q.device),
                    (width, seg_start, seg_rows, covered, max_rows, psl))
 
 
@@ -815,7 +915,7 @@ def _decode_attention_new_token_op(q: Tensor, k: Tensor, v: Tensor, key_valid: T
         q = write_new_token_reference(q, k, v, n_filled - 1, token)
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
-    return _launch(q, k, v, key_valid, n_filled, scale, *launch, programmatic and supports_programmatic_launch(q.device),
+    return _launch(q, k, v, key_valid, n_filled, scale, launch, programmatic and supports_programmatic_launch(q.device),
                    new_token=token)
 
 
@@ -937,8 +1037,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_fille
             (the step's own key included), shared by all rows; later columns are never read.
         scale (Optional[float]): multiplies ``q . k``; None = ``1 / sqrt(D)``.
         split_len (Optional[int]): cache columns per program (a power of two, a multiple of
-            ``block_n``); None = :func:`launch_split_len` for the shapes and the GPU (with
-            ``shared_prefix``, aiming at :data:`SHARED_PROGRAMS_PER_SM`).
+            ``block_n``); None = chosen by the kernels from ``n_filled`` at each launch
+            (:func:`fill_split_len`), or with ``shared_prefix`` :func:`launch_split_len` aiming at
+            :data:`SHARED_PROGRAMS_PER_SM`.
         block_n (Optional[int]): columns per inner-loop block (a power of two >= 16); None =
             :data:`BLOCK_N` (at most ``split_len``).
         num_warps (Optional[int]): warps per program of the partial kernel; None = :data:`NUM_WARPS`.
