@@ -88,8 +88,10 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 #: ``benchmarks/results/decode_attention_split_len_h200.csv``): the merge walks a row's splits one
 #: after another in only ``B x Hkv`` programs.
 MIN_SPLIT, MAX_SPLIT = 256, 512
-#: Programs per SM the automatic split length aims at for a full cache: one (longer splits at many
-#: rows) measured best in the same sweep as the launch (2 and 4: 1.02x and 1.04x its time).
+#: Programs per SM the fixed split rule (:func:`default_split_len`, a length set at capture) aims at
+#: for a full cache: one (longer splits at many rows) measured best for per-row attention in the same
+#: sweep as the launch (2 and 4: 1.02x and 1.04x its time). Per-row attention now chooses its split
+#: from the fill (:data:`FILL_MIN_SPLIT`); the rule serves a shared prompt's rows, with the constant below.
 PROGRAMS_PER_SM = 1
 #: The same with a shared prompt (:class:`SharedPrefix`): the rows' own splits then cover only the
 #: columns after the prompt, a fraction of the cache, so the rule aims at more programs over the
@@ -588,8 +590,9 @@ def decode_merge_kernel(
 
 def default_split_len(rows: int, kv_heads: int, length: int, num_sms: int = 132,
                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """The split length when none is given: about ``programs_per_sm`` programs per SM over a full
-    cache, a power of two in ``[MIN_SPLIT, MAX_SPLIT]``.
+    """A split length fixed for the whole cache: about ``programs_per_sm`` programs per SM over a full
+    cache, a power of two in ``[MIN_SPLIT, MAX_SPLIT]`` (per-row attention without a given split
+    chooses from the fill instead, :func:`fill_split_len`).
 
     Many rows get long splits, so that fewer partials are written and merged. Few rows (a compacted
     bucket) stop at ``MIN_SPLIT``: shorter splits would spread their keys over more programs, but the
@@ -654,8 +657,8 @@ def _num_sms(device: torch.device) -> int:
 
 def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device,
                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """The split length the kernel runs with when none is given: :func:`default_split_len` for
-    ``device``'s SMs, at least one ``block_n`` block.
+    """The fixed split length of the rows' own columns after a shared prompt when none is given
+    (:func:`resolve_launch`): :func:`default_split_len` for ``device``'s SMs, at least one ``block_n`` block.
 
     Args:
         rows (int): B. kv_heads (int): Hkv. length (int): the cache length L.
