@@ -15,7 +15,7 @@ prompt length and number of new tokens, every sampler samples the same prompts t
 ``--decode-attention sdpa,split_k`` runs ``compiled`` and ``unfused`` once per decode attention
 (``CompiledSampler(decode_attention=...)``; the CSV's ``decode_attention`` column says which).
 
-Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` with ``fused_projections=True``,
+Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` with ``fused_projections="shared"``,
 as ``configs/qwen_grpo.yaml`` builds it; the class's default is ``False``) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
 in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
@@ -185,7 +185,7 @@ def make_samplers(names, compile, cache_len, options=None, attentions=("sdpa",))
             chosen = {"decode_attention": attention} if "decode_attention" in accepted else {}
             if name == "compiled":
                 out[name, attention] = CompiledSampler(compile=compile, max_cache_len=cache_len,
-                                                       **{"fused_projections": True, **(options or {}), **chosen})
+                                                       **{"fused_projections": "shared", **(options or {}), **chosen})
             elif name == "unfused":  # the compiled sampler with the layers' own projections
                 out[name, attention] = CompiledSampler(compile=compile, max_cache_len=cache_len,
                                                        **{**(options or {}), **chosen, "fused_projections": False})

@@ -67,7 +67,7 @@ def test_compiled_options_reach_the_sampler(bench):
 def test_unfused_sampler_is_the_compiled_one_without_fused_projections(bench):
     samplers = bench.make_samplers(["compiled", "unfused"], False, 64, {"min_bucket": 4})
     compiled, unfused = samplers["compiled", "sdpa"], samplers["unfused", "sdpa"]
-    assert (compiled.fused_projections, unfused.fused_projections) == (True, False)
+    assert (compiled.fused_projections, unfused.fused_projections) == ("shared", False)
     assert unfused.min_bucket == 4
 
 

@@ -26,14 +26,15 @@ def model():
 PROMPTS = [[(7 * i + 3 * p) % 5000 + 10 for i in range(200 + 50 * p)] for p in range(4)]
 
 
-def test_greedy_compiled_equals_eager_token_for_token(model):
+@pytest.mark.parametrize("fused", [False, "shared"])
+def test_greedy_compiled_equals_eager_token_for_token(model, fused):
     # stop tokens that end rows at different steps, so compaction and several windows run
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4,
                     temperature=0)
     stops = sorted({int(free.completion_tokens[4 * p, 8 + 10 * p]) for p in range(4)})
     kw = dict(max_new_tokens=48, stop_tokens=stops, pad_id=0, num_generations=4, temperature=0)
     ref = generate(model, PROMPTS, **kw)
-    sampler = CompiledSampler(min_bucket=2, sync_every=4, attention_window=16)
+    sampler = CompiledSampler(min_bucket=2, sync_every=4, attention_window=16, fused_projections=fused)
     out = sampler(model, PROMPTS, **kw)
     assert torch.equal(out.completion_mask, ref.completion_mask)
     assert torch.equal(out.completion_tokens, ref.completion_tokens)

@@ -87,6 +87,29 @@ def test_random_init_checkpoints_in_torchtune_format(tmp_path):
         assert torch.equal(sd[k], v)
 
 
+@pytest.mark.parametrize("hf", [True, False])
+def test_weights_sharing_one_storage_save_and_reload(tmp_path, hf):
+    # The compiled sampler's fused_projections="shared" leaves each layer's q/k/v (and gate/up)
+    # parameters as disjoint row slices of one buffer: both checkpoint formats must write each slice.
+    from logitless.rl.rollout.fused import FusedProjections
+
+    mgr = CheckpointManager(_cfg() if hf else None, str(tmp_path))
+    model = qwen2_5_tiny()
+    if hf:
+        load_weights(model, mgr.load_model_state())
+    FusedProjections(list(model.layers), share=True)
+    attn = model.layers[0].attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight.add_(0.25)  # a change made through the shared storage must be saved
+    path = mgr.save(step=1, epoch=0, recipe_state={}, model_state=model.state_dict())
+    sd = CheckpointManager(_cfg() if hf else None, str(tmp_path)).load_model_state(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    # saving leaves the sharing as it was
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+
+
 def _sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

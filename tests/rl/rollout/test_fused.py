@@ -13,15 +13,31 @@ from .test_compiled import NEVER, PROMPTS, tiny
 GREEDY = dict(max_new_tokens=6, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
 
 
-def _pair(model, dtype, **kw):
+def _pair(model, dtype, mode=True, **kw):
     model = model.to(dtype).eval()
-    fused = CompiledSampler(compile=False, fused_projections=True)(model, PROMPTS, **GREEDY, **kw)
     plain = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY, **kw)
+    fused = CompiledSampler(compile=False, fused_projections=mode)(model, PROMPTS, **GREEDY, **kw)
     return fused, plain
 
 
+def _layers(model):
+    return [decoding_layer(layer) for layer in model.layers]
+
+
+def _parts(model):
+    return [p for layer in model.layers for m in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj,
+                                                  layer.mlp.w1, layer.mlp.w3) for p in m.parameters()]
+
+
+def _distinct_bytes(tensors):
+    """Bytes of the distinct storages behind ``tensors`` (what they hold in memory together)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("mode", [True, "shared"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, monkeypatch):
+def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, mode, monkeypatch):
     calls = []
     linear = compiled.F.linear
 
@@ -31,7 +47,7 @@ def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, monkeypa
 
     monkeypatch.setattr(compiled.F, "linear", spy)
     model = tiny(kv_heads=2)
-    fused, plain = _pair(model, dtype)
+    fused, plain = _pair(model, dtype, mode)
     # the fused path ran: q (4 heads x 8) + k and v (2 x 8 each) = 64 rows, gate + up = 2 x 64 rows
     assert (64, 32) in calls and (128, 32) in calls
     assert torch.equal(fused.completion_tokens, plain.completion_tokens)
@@ -39,9 +55,10 @@ def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, monkeypa
     torch.testing.assert_close(fused.sampler_log_probs, plain.sampler_log_probs, rtol=0, atol=tol)
 
 
-def test_fused_projections_follow_the_weights_after_an_optimizer_step():
+@pytest.mark.parametrize("mode", [True, "shared"])
+def test_fused_projections_follow_the_weights_after_an_optimizer_step(mode):
     model = tiny().double().eval()
-    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=True)  # buffers (and the fused copy) kept
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=mode)  # buffers (and the fused copy) kept
     before = sampler(model, PROMPTS, **GREEDY).sampler_log_probs.clone()  # kept buffers are reused
     copy = sampler._state["fused"]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -49,7 +66,7 @@ def test_fused_projections_follow_the_weights_after_an_optimizer_step():
     (h[0, -1, 3] - h[0, -1].logsumexp(0)).backward()  # push every projection towards token 3
     opt.step()
     after = sampler(model, PROMPTS, **GREEDY)
-    assert sampler._state["fused"] is copy  # the same buffers, rewritten in place
+    assert sampler._state["fused"] is copy  # the same buffers, rewritten in place (shared: written by the step)
     fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
     assert torch.equal(after.completion_tokens, fresh.completion_tokens)
     torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)
@@ -76,6 +93,87 @@ def test_fused_memory_is_one_copy_of_the_concatenated_projections():
     assert fusion.nbytes == len(model.layers) * per_layer * 4
 
 
-def test_fused_projections_flag_is_checked():
-    with pytest.raises(ValueError, match="fused_projections must be True or False, got 1"):
-        CompiledSampler(fused_projections=1)
+def test_shared_projections_are_the_models_parameters_with_no_copy():
+    model = tiny().eval()
+    params = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in params.items()}
+    before = _distinct_bytes(list(model.parameters()))
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
+    sampler(model, PROMPTS, **GREEDY)
+    fusion = sampler._state["fused"]
+    assert fusion.shares(_layers(model)) and fusion.extra_bytes == 0
+    # the same Parameter objects (an optimizer built before keeps them), the same values
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert all(torch.equal(p, values[name]) for name, p in model.named_parameters())
+    # q/k/v and gate/up of a layer are rows of the fused buffers: one storage each, nothing held twice
+    qkv, gate_up = fusion.layers()[1]["qkv"][0], fusion.layers()[1]["gate_up"][0]
+    attn, mlp = model.layers[1].attn, model.layers[1].mlp
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.weight.shape[0]].data_ptr()
+    assert mlp.w3.weight.data_ptr() == gate_up[mlp.w1.weight.shape[0]].data_ptr()
+    assert _distinct_bytes(list(model.parameters()) + [t for layer in fusion.layers() for pair in layer.values()
+                                                       for t in pair if t is not None]) == before
+    assert _distinct_bytes(_parts(model)) == fusion.nbytes
+
+
+def test_shared_projections_copy_back_a_replaced_parameter():
+    model = tiny().double().eval()
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
+    sampler(model, PROMPTS, **GREEDY)
+    fusion = sampler._state["fused"]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    state["layers.0.attn.k_proj.weight"].normal_(0, 0.5)
+    state["layers.1.mlp.w1.weight"].normal_(0, 0.5)
+    model.load_state_dict(state, assign=True)  # new tensors: the sharing is broken
+    assert not fusion.shares(_layers(model))
+    after = sampler(model, PROMPTS, **GREEDY)
+    assert sampler._state["fused"] is fusion and fusion.shares(_layers(model))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
+    assert torch.equal(after.completion_tokens, fresh.completion_tokens)
+    torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)
+
+
+def test_two_shared_samplers_read_one_buffer():
+    model = tiny().eval()
+    first = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
+    second = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
+    first(model, PROMPTS, **GREEDY)
+    bytes_once = _distinct_bytes(list(model.parameters()))
+    second(model, PROMPTS, **GREEDY)
+    a, b = first._state["fused"].layers(), second._state["fused"].layers()
+    assert all(a[i][name][0].data_ptr() == b[i][name][0].data_ptr() for i in range(len(a)) for name in a[i])
+    assert _distinct_bytes(list(model.parameters())) == bytes_once
+    first(model, PROMPTS, **GREEDY)  # neither re-points the parameters away from the other
+    assert second._state["fused"].shares(_layers(model))
+
+
+def test_shared_projections_follow_a_dtype_change():
+    model = tiny().eval()
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
+    sampler(model, PROMPTS, **GREEDY)
+    model.double()  # new float64 tensors for every parameter
+    after = sampler(model, PROMPTS, **GREEDY)
+    assert sampler._state["fused"].shares(_layers(model))
+    assert sampler._state["fused"].layers()[0]["qkv"][0].dtype == torch.float64
+    fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
+    assert torch.equal(after.completion_tokens, fresh.completion_tokens)
+    torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)
+
+
+def test_lora_layers_share_only_their_plain_projections():
+    model = tiny(tied=False, lora=True).double().eval()
+    q_storage = model.layers[0].attn.q_proj.weight.untyped_storage().data_ptr()
+    fused, plain = _pair(model, torch.float64, "shared")
+    assert torch.equal(fused.completion_tokens, plain.completion_tokens)
+    torch.testing.assert_close(fused.sampler_log_probs, plain.sampler_log_probs, rtol=0, atol=1e-12)
+    mlp = model.layers[0].mlp
+    assert mlp.w1.weight.untyped_storage().data_ptr() == mlp.w3.weight.untyped_storage().data_ptr()
+    assert model.layers[0].attn.q_proj.weight.untyped_storage().data_ptr() == q_storage  # LoRA: untouched
+
+
+@pytest.mark.parametrize("value", [1, "copy", None])
+def test_fused_projections_flag_is_checked(value):
+    with pytest.raises(ValueError, match=f"fused_projections must be True, False or 'shared', got {value!r}"):
+        CompiledSampler(fused_projections=value)
