@@ -99,8 +99,9 @@ KNOBS: Dict[str, Knob] = {
         "MiB of the reused logits buffer of the fused head when gradients are computed: larger "
         "chunks (fewer dW roundings, fewer launches) for more peak memory."),
     "triton_forward_workspace_mb": Knob(
-        "LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", 80, _positive_int,
-        "MiB of the logits tiles of forward-only calls (no gradient): larger tiles for more peak memory."),
+        "LOGITLESS_TRITON_FORWARD_WORKSPACE_MB", 88, _positive_int,
+        "MiB of forward-only calls' workspace (no gradient): the logits tiles and, when ignored rows "
+        "are compacted away, the gathered hidden rows of a block; larger tiles for more peak memory."),
     "triton_fused_max_chunks": Knob(
         "LOGITLESS_TRITON_FUSED_MAX_CHUNKS", 8, _non_negative_int,
         "Cross-entropy and token objectives take the one-pass 3-GEMM path while the valid rows fit "

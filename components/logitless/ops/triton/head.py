@@ -40,9 +40,10 @@ setting: the Triton forward's LSE is taken from fp32 logits, the cuBLAS backward
 from logits rounded to the input dtype, which then do not sum to 1.
 
 Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTES``, 224 MiB;
-``F`` = ``FORWARD_WORKSPACE_BYTES``, 80 MiB)::
+``F`` = ``FORWARD_WORKSPACE_BYTES``, 88 MiB)::
 
-    forward only:   rows_f * cols_f * itemsize <= F   (+ N * 28 bytes of per-row fp32 state/outputs)
+    forward only:   rows_f * cols_f * itemsize (+ rows_f * H * itemsize gathered rows when some
+                    are ignored) <= F   (+ N * 28 bytes of per-row fp32 state/outputs)
     recompute bwd:  rows_b * cols_b * itemsize + rows_b * H * 4 <= B   (+ rows_b * H * itemsize for
                     the gathered rows when some are ignored)
     fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
@@ -51,7 +52,8 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
                     entries, fp32), then the compacted hidden rows and the pinned dW rows once
                     the logits buffer is freed
 
-At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4096 x 10240 tiles (80 MiB), backward
+At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4224 x 10880 tiles (88 MiB; 4096 x 7680
+and 28 MiB of gathered rows when some rows are ignored: slabs of even width), backward
 8192 x 7168 tiles + an 8192 x 3584 fp32 block (224 MiB), fused CE 768-row chunks (223 MiB).
 """
 
@@ -195,6 +197,10 @@ class _Chunks:
         # Rows 16-byte aligned where the Triton dW GEMM reads the buffer through a tensor descriptor.
         ld = gemm_epilogues.aligned_cols(vocab, hidden.element_size()) if gemm_epilogues.use(hidden, weight) else vocab
         self.buf = hidden.new_empty((self.n_c, ld))[:, :vocab] if self.rows > first else None
+        # One buffer for the gathered rows: a chunk's rows replace the previous chunk's in stream
+        # order, instead of two chunks' copies being alive while the next is gathered.
+        self.gathered = hidden.new_empty((self.n_c, hidden.shape[1])) if idx is not None and self.rows > first \
+            else None
         self.splits, self.span = _num_splits(self.n_c, vocab, hidden.device)
         self.part = hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
 
@@ -205,7 +211,7 @@ class _Chunks:
                 h_c, idx_c = self.hidden[start:end], None
             else:
                 idx_c = self.idx[start:end]
-                h_c = self.hidden.index_select(0, idx_c)
+                h_c = torch.index_select(self.hidden, 0, idx_c, out=self.gathered[: end - start])
             logits = self.buf[: end - start]
             torch.matmul(h_c, self.weight.t(), out=logits)
             yield h_c, idx_c, start, logits
@@ -377,8 +383,9 @@ def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tenso
             hidden.new_zeros((n,), dtype=torch.float64))
 
 
-def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[int, int]:
-    """``(block_rows, slab_cols)`` of the forward-only tiles: ``rows*cols*itemsize <= budget``.
+def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int, row_bytes: int = 0) -> Tuple[int, int]:
+    """``(block_rows, slab_cols)`` of the forward-only tiles:
+    ``rows * (cols * itemsize + row_bytes) <= budget``.
 
     Forward-only passes need no full row at once, so they walk (row block x V slab) tiles with a
     running softmax state per row: every GEMM stays large (4096 x 10240 at the 7B head) and the
@@ -386,7 +393,9 @@ def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[in
 
     Args:
         rows (int): rows to process. vocab (int): V. itemsize (int): bytes per logit.
-        budget (int): bytes of the logits buffer.
+        budget (int): bytes of the logits buffer and the per-row buffers together.
+        row_bytes (int): bytes held per row of a block besides its logits (the gathered hidden row
+            when ignored rows are compacted away).
 
     Returns:
         Tuple[int, int]: rows per block and columns per slab.
@@ -394,11 +403,17 @@ def forward_tiles(rows: int, vocab: int, itemsize: int, budget: int) -> Tuple[in
     Example:
         >>> forward_tiles(8192, 152064, 2, 80 << 20)
         (4096, 10240)
+        >>> forward_tiles(8192, 152064, 2, 80 << 20, row_bytes=3584 * 2)  # gathered bf16 rows of H = 3584
+        (4096, 6656)
     """
     block_rows = max(1, min(rows, MAX_BLOCK_ROWS))
-    cols = budget // (block_rows * itemsize)
+    cols = (budget - block_rows * row_bytes) // (block_rows * itemsize)
     cols = vocab if cols >= vocab else max(min(MIN_SLAB, vocab), cols - cols % 256 if cols > 256 else cols)
-    block_rows = max(1, min(rows, budget // (cols * itemsize)))
+    if 256 < cols < vocab:
+        # slabs of even width: a last slab of a few columns costs a GEMM launch for little work
+        even = -(-vocab // -(-vocab // cols))
+        cols = min(cols, -(-even // 128) * 128)
+    block_rows = max(1, min(rows, budget // (cols * itemsize + row_bytes)))
     if block_rows > 128:
         block_rows -= block_rows % 64
     return block_rows, cols
@@ -456,16 +471,19 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
 
 
 def _stats_over_tiles(hidden, weight, labels, idx, rows, state, z_y, inv_t, ignore_index, budget):
-    # cuBLAS logits tiles in a reused buffer, row_stats + merge_slab folding each into `state`.
-    vocab = weight.shape[0]
-    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), budget)
+    # cuBLAS logits tiles in a reused buffer, row_stats + merge_slab folding each into `state`;
+    # compacted rows are gathered into one reused buffer that the budget counts.
+    vocab, hid = weight.shape
+    row_bytes = 0 if idx is None else hid * hidden.element_size()
+    block_rows, cols = forward_tiles(rows, vocab, hidden.element_size(), budget, row_bytes)
     buf = hidden.new_empty((block_rows * cols,))
+    gathered = None if idx is None else hidden.new_empty((block_rows, hid))
     splits, span = _num_splits(block_rows, cols, hidden.device)
     part = hidden.new_empty((block_rows, splits, 3), dtype=torch.float32)
     ch = _Tile(splits, span, part)
     for r0 in range(0, rows, block_rows):
         r1 = min(r0 + block_rows, rows)
-        h_b = hidden[r0:r1] if idx is None else hidden.index_select(0, idx[r0:r1])
+        h_b = hidden[r0:r1] if idx is None else torch.index_select(hidden, 0, idx[r0:r1], out=gathered[: r1 - r0])
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
             logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
