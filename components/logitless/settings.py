@@ -109,12 +109,12 @@ KNOBS: Dict[str, Knob] = {
         "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
     "triton_pinned_mb": Knob(
         "LOGITLESS_TRITON_PINNED_MB", 128, _non_negative_int,
-        "MiB for the dlogits at the pinned label columns of a one-pass cross-entropy or token "
-        "objective: the most frequent labels' columns and every other row's own label entry are "
-        "moved out of each chunk's bf16 dW accumulation and added once after the last chunk "
-        "(fp32 sums, one rounding), so the one pass keeps plain PyTorch's dW accuracy over many "
-        "chunks. Used while valid rows x pinned columns elements fit and no first block is cached; "
-        "0 turns it off."),
+        "Pinned label columns of a one-pass cross-entropy or token objective: the most frequent "
+        "labels' columns and every other row's own label entry are moved out of each chunk's bf16 "
+        "dW accumulation and summed in fp32 (one rounding), so the one pass keeps plain PyTorch's "
+        "dW accuracy over many chunks. Used while valid rows x pinned columns dlogits would fit "
+        "these MiB (the range it was measured in; the pass holds one chunk's of them and the pinned "
+        "dW rows' fp32 sums) and no first block is cached; 0 turns it off."),
     "triton_pinned_columns": Knob(
         "LOGITLESS_TRITON_PINNED_COLUMNS", 1024, _positive_int,
         "How many of the most frequent labels' columns are pinned whole (at most the valid rows "

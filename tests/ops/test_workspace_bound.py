@@ -46,6 +46,7 @@ class PeakBytes(TorchDispatchMode):
 
 
 N, H, V, IGN = 96, 40, 203, -100
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(seed=0):
@@ -54,7 +55,7 @@ def _inputs(seed=0):
     weight = torch.randn(V, H, generator=g) * H ** -0.5
     labels = torch.randint(0, V, (N,), generator=g)
     labels[torch.randperm(N, generator=g)[: N // 10]] = IGN  # 10% ignored: the rows are compacted
-    return hidden, weight, labels
+    return hidden.to(DEV), weight.to(DEV), labels.to(DEV)
 
 
 def test_forward_workspace_counts_the_gathered_rows(monkeypatch):
@@ -71,6 +72,7 @@ def test_forward_workspace_counts_the_gathered_rows(monkeypatch):
     per_row = N * (4 + 4 + 8 + 12 + 4 + 8 + 1 + 8)  # outputs, state, label logit, indices, masks
     assert mode.peak <= budget + per_row + 1024, (mode.peak, budget, per_row)
     # and the values are those of float64
+    hidden, weight, labels, logp, ent = (t.cpu() for t in (hidden, weight, labels, logp, ent))
     z = hidden.double() @ weight.double().T
     valid = labels != IGN
     ref = torch.log_softmax(z, -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
@@ -88,3 +90,34 @@ def test_forward_tiles_keep_logits_and_rows_within_the_budget(row_bytes):
         assert 1 <= block <= rows and 1 <= cols <= vocab
         assert block * (cols * itemsize + row_bytes) <= budget or block == 1, (rows, vocab, block, cols)
     assert head.forward_tiles(8192, 152064, 2, 80 << 20, 3584 * 2) == (4096, 6656)
+
+
+def test_pinned_one_pass_holds_one_chunk_of_pinned_dlogits(monkeypatch):
+    # 29 chunks of 16 rows with the labels' columns pinned: the pass keeps the pinned columns' dW
+    # rows as fp32 sums (k x H) and one chunk's pinned dlogits, not every row's until the end.
+    n, hid, n_c = 512, 8, 16
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", n_c * V * 4)
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 2)
+    monkeypatch.setattr(head, "PINNED_MAX_CHUNKS", 96)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(n, hid, generator=g)
+    weight = torch.randn(V, hid, generator=g) * hid ** -0.5
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[torch.randperm(n, generator=g)[: n // 10]] = IGN
+    hidden, weight, labels = hidden.to(DEV), weight.to(DEV), labels.to(DEV)
+    rows = int((labels != IGN).sum())
+    k = min(rows, V, head.PINNED_COLUMNS)
+    assert head.one_pass_pins(rows, n_c, 0, V, need_dw=True, itemsize=4) == k  # the pinned one pass runs
+    with torch.no_grad(), PeakBytes(hidden, weight, labels) as mode:
+        loss, dh, dw = head.ce_fused(hidden, weight, labels, IGN, 1.0, True, True, True)
+    grads = (n + V) * hid * 4
+    bound = grads + head.WORKSPACE_BYTES + k * hid * 4 + n_c * (-(-k // 8) * 8) * 4 + 2 * n_c * hid * 4 + 64 * n + 4096
+    assert mode.peak <= bound < grads + rows * k * 4, (mode.peak, bound)
+    # the values are those of float64
+    loss, dh, dw = loss.cpu(), dh.cpu(), dw.cpu()
+    h64, w64 = hidden.cpu().double().requires_grad_(), weight.cpu().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels.cpu(), ignore_index=IGN)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(dh.double(), h64.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dw.double(), w64.grad, rtol=0, atol=1e-6)

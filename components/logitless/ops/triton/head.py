@@ -17,12 +17,12 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   valid rows fit in at most ``FUSED_MAX_CHUNKS`` chunks of full-V rows, or when no dW is wanted (a
   frozen head, as in LoRA: nothing is rounded across chunks then), one pass per chunk:
   logits -> statistics -> dlogits -> dh chunk, ``dW += dl.T @ h_c`` (3 GEMMs, dW rounded once per
-  chunk). When the dlogits of every row at the pinned label columns fit ``PINNED_BYTES``, the one
-  pass also runs past that (up to ``PINNED_MAX_CHUNKS`` chunks) with the labels pinned
+  chunk). When the dlogits of every row at the pinned label columns would fit ``PINNED_BYTES``,
+  the one pass also runs past that (up to ``PINNED_MAX_CHUNKS`` chunks) with the labels pinned
   (``PinnedColumns``): each chunk moves its dlogits at the most frequent labels' columns and at
-  every other row's own label out (``take_columns_kernel``); after the last chunk one GEMM over
-  all rows writes the pinned columns' dW rows and fp32 sums add the label entries to theirs
-  (``add_label_rows_kernel``). Those rows carry most of dW's norm and are rounded once, as plain
+  every other row's own label out (``take_columns_kernel``) and adds the pinned columns' dW rows
+  to fp32 sums (one fp32-output GEMM per chunk); after the last chunk those rows are rounded into
+  dW once and fp32 sums add the label entries to theirs (``add_label_rows_kernel``). Those rows carry most of dW's norm and are rounded once, as plain
   PyTorch's; the rest of dW once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
   block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
   (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
@@ -48,9 +48,9 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
                     the gathered rows when some are ignored)
     fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
                     its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B;
-                    pinned labels: rows * k * itemsize <= P (``PINNED_BYTES``) + rows * 4 (label
-                    entries, fp32), then the compacted hidden rows and the pinned dW rows once
-                    the logits buffer is freed
+                    pinned labels (when rows * k * itemsize <= P, ``PINNED_BYTES``): k * H * 4
+                    (their dW rows' fp32 sums) + n_c * k * itemsize (a chunk's pinned dlogits)
+                    + rows * 4 (label entries, fp32)
 
 At the Qwen2.5-7B head (V=152064, H=3584, bf16): forward 4224 x 10880 tiles (88 MiB; 4096 x 7680
 and 28 MiB of gathered rows when some rows are ignored: slabs of even width), backward
@@ -76,7 +76,9 @@ FORWARD_WORKSPACE_BYTES = settings.triton_forward_workspace_mb << 20
 #: Cross-entropy with a scalar upstream uses the one-pass, 3-GEMM path when the valid rows fit in
 #: at most this many row chunks (dW is rounded once per chunk), else the 2-pass, 4-GEMM path.
 FUSED_MAX_CHUNKS = settings.triton_fused_max_chunks
-#: Bytes of the ``(valid rows, k)`` dlogits of pinned label columns (``PinnedColumns``); 0: never pinned.
+#: Label columns are pinned (``PinnedColumns``) when the ``(valid rows, k)`` dlogits would fit
+#: these bytes (the cap under which pinning was measured; the pass holds only one chunk's of them
+#: and the pinned dW rows' fp32 sums); 0: never pinned.
 PINNED_BYTES = settings.triton_pinned_mb << 20
 #: With pinned label columns, the one pass runs up to this many row chunks.
 PINNED_MAX_CHUNKS = settings.triton_pinned_max_chunks
@@ -258,7 +260,7 @@ def _grads(ch, logits, h_c, idx_c, start, dh, dw, first, pin=None):
             dh.index_copy_(0, idx_c, torch.matmul(logits, ch.weight))
     if dw is not None:
         if pin is not None:
-            pin.take(logits, start)
+            pin.take(logits, start, h_c)
         _dw_update(dw, logits, h_c, ch.weight, first)
 
 
@@ -309,10 +311,11 @@ class PinnedColumns:
     PyTorch. Two parts are moved out of each chunk's buffer, after its dh GEMM and before its
     ``dW += dl.T @ h`` (which then adds exact zeros there):
 
-    * the ``k`` most frequent labels' whole columns, into the chunk's rows of a ``(valid rows, k)``
-      buffer: a frequent token also collects large probabilities from rows labelled otherwise;
-      :meth:`finish` writes their dW rows with one GEMM over all rows (fp32 accumulation, one
-      rounding: plain PyTorch's);
+    * the ``k`` most frequent labels' whole columns, into a ``(chunk rows, k)`` buffer: a frequent
+      token also collects large probabilities from rows labelled otherwise; their dW rows are
+      summed over the chunks in fp32 (``acc += dl_pinned.T @ h_c``, a ``(k, H)`` fp32 buffer) and
+      :meth:`finish` rounds them once: plain PyTorch's rounding, without holding every row's
+      pinned dlogits until the end (``(valid rows, k)``: 57 MiB at 32768 rows);
     * every other row's entry at its own label (``p - 1``, the largest), into an fp32 vector;
       :meth:`finish` sums them per label in fp32 into dW's row and rounds once
       (``add_label_rows_kernel``).
@@ -323,15 +326,16 @@ class PinnedColumns:
     Args:
         labels (torch.Tensor): ``(N,)`` int64. idx (Optional[torch.Tensor]): the valid rows (or None).
         ignore_index (int). k (int): columns to pin (:func:`pinned_columns`).
-        rows (int): valid rows. vocab (int): V. like (torch.Tensor): a tensor of the inputs' dtype.
+        rows (int): valid rows. vocab (int): V. like (torch.Tensor): the hidden states ``(N, H)``
+            (dtype, device, H). chunk (int): rows per chunk of the pass.
 
     Example:
-        >>> pin = PinnedColumns(labels, idx, -100, k, rows, vocab, hidden)
-        >>> pin.take(dl, start)        # each chunk, after the dh GEMM, before the dW GEMM
+        >>> pin = PinnedColumns(labels, idx, -100, k, rows, vocab, hidden, chunk=ch.n_c)
+        >>> pin.take(dl, start, h_c)   # each chunk, after the dh GEMM, before the dW GEMM
         >>> pin.finish(dw, hidden, idx)
     """
 
-    def __init__(self, labels, idx, ignore_index, k, rows, vocab, like):
+    def __init__(self, labels, idx, ignore_index, k, rows, vocab, like, chunk):
         y = labels if idx is None else labels.index_select(0, idx)
         dev = labels.device
         # Counts over V + 1 bins, ignored labels in the last: no host sync, no index out of range.
@@ -346,20 +350,22 @@ class PinnedColumns:
         self.vocab = vocab
         self.diag = torch.zeros(rows, dtype=torch.float32, device=dev)
         # Rows 16-byte aligned: cuBLAS reads an unaligned operand with a far slower kernel.
-        self.dl = like.new_empty((rows, -(-k // 8) * 8))[:, :k]
+        self.dl = like.new_empty((min(chunk, rows), -(-k // 8) * 8))[:, :k]
+        self.acc = torch.zeros((k, like.shape[1]), dtype=torch.float32, device=dev)
 
-    def take(self, dl: torch.Tensor, start: int) -> None:
-        """Moves ``dl``'s pinned columns and label entries (the valid rows from ``start``) out."""
+    def take(self, dl: torch.Tensor, start: int, h_c: torch.Tensor) -> None:
+        """Moves ``dl``'s pinned columns and label entries (the valid rows from ``start``) out and
+        adds the pinned columns' products with the chunk's rows ``h_c`` to the fp32 sums."""
         rows, k = dl.shape[0], self.cols.numel()
         kernels.take_columns_kernel[(rows, triton_cdiv(k, TAKE_BLOCK))](
-            dl, dl.stride(0), self.cols, self.dl[start : start + rows], self.dl.stride(0), k,
+            dl, dl.stride(0), self.cols, self.dl, self.dl.stride(0), k,
             self.bins, self.slot, self.diag, start, BLOCK=TAKE_BLOCK, num_warps=4)
+        addmm_fp32_(self.acc, self.dl[:rows].t(), h_c)
 
     def finish(self, dw: torch.Tensor, hidden: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
         """Writes the pinned columns' dW rows and adds the label entries' to theirs."""
-        h = hidden if idx is None else hidden.index_select(0, idx)
-        dw.index_copy_(0, self.cols, torch.matmul(self.dl.t(), h))
-        h = None
+        dw.index_copy_(0, self.cols, self.acc.to(dw.dtype))
+        self.acc = self.dl = None
         # Rows whose label entry was moved, sorted by label (the rest sort last): one program per
         # run of equal labels sums it in a fixed order.
         keys = torch.where(self.slot[self.bins] < 0, self.bins, self.vocab)
@@ -369,6 +375,15 @@ class PinnedColumns:
         kernels.add_label_rows_kernel[(rows, triton_cdiv(hid, block))](
             keys, perm, self.diag, hidden, idx if idx is not None else perm, dw, rows, hid, self.vocab,
             HAS_IDX=idx is not None, BLOCK_H=block, num_warps=4)
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, accumulated in fp32 (``acc`` fp32): on CUDA one cuBLAS GEMM with
+    an fp32 output from bf16/fp16 operands; elsewhere the operands are upcast."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -837,7 +852,8 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
                                        dh if need_dh else None, dw, lambda *_: (coef, None, None))
         ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
         chunks = iter(ch)
-    pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden) if pin > 0 else None
+    pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden, ch.n_c) \
+        if pin > 0 else None
     for i, (h_c, idx_c, start, logits) in enumerate(itertools.chain([first_chunk] if first_chunk else [], chunks)):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)

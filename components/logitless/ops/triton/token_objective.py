@@ -118,8 +118,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
-    pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden) if pin > 0 else None
     ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached)
+    pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         r = idx_c if idx_c is not None else torch.arange(start, start + logits.shape[0], device=hidden.device)
