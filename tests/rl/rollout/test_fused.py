@@ -58,7 +58,8 @@ def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, mode, mo
 @pytest.mark.parametrize("mode", [True, "shared"])
 def test_fused_projections_follow_the_weights_after_an_optimizer_step(mode):
     model = tiny().double().eval()
-    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=mode)  # buffers (and the fused copy) kept
+    # buffers (and the fused weights) kept between calls
+    sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=mode)
     before = sampler(model, PROMPTS, **GREEDY).sampler_log_probs.clone()  # kept buffers are reused
     copy = sampler._state["fused"]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

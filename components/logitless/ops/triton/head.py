@@ -22,13 +22,14 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   (``PinnedColumns``): each chunk moves its dlogits at the most frequent labels' columns and at
   every other row's own label out (``take_columns_kernel``) and adds the pinned columns' dW rows
   to fp32 sums (one fp32-output GEMM per chunk); after the last chunk those rows are rounded into
-  dW once and fp32 sums add the label entries to theirs (``add_label_rows_kernel``). Those rows carry most of dW's norm and are rounded once, as plain
-  PyTorch's; the rest of dW once per chunk. Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first
-  block of up to H rows keeps its logits, transposed, in dW's still-unwritten buffer
-  (``cached_block_rows``, ``_cached_block``): it needs no workspace for them and is rounded into
-  dW once, so fewer chunks follow (7B head, 8192 rows: 1 + 6 instead of 11). Otherwise the
-  two passes above (4 GEMMs, dW rounded once per row block): more rounding steps of dW cost more
-  accuracy than plain PyTorch's at 152k vocabularies (measured, docs/performance.md).
+  dW once and fp32 sums add the label entries to theirs (``add_label_rows_kernel``). Those rows
+  carry most of dW's norm and are rounded once, as plain PyTorch's; the rest of dW once per chunk.
+  Opt-in (``LOGITLESS_TRITON_CACHE_FIRST_BLOCK=1``): the first block of up to H rows keeps its
+  logits, transposed, in dW's still-unwritten buffer (``cached_block_rows``, ``_cached_block``):
+  it needs no workspace for them and is rounded into dW once, so fewer chunks follow (7B head,
+  8192 rows: 1 + 6 instead of 11). Otherwise the two passes above (4 GEMMs, dW rounded once per
+  row block): more rounding steps of dW cost more accuracy than plain PyTorch's at 152k
+  vocabularies (measured, docs/performance.md).
 
 With ``LOGITLESS_HEAD_GEMM=triton`` (:mod:`~logitless.ops.triton.gemm_epilogues`, opt-in until
 measured; per call, where the inputs' rows are 16-byte aligned) the same paths run Triton GEMMs
