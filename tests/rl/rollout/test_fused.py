@@ -163,6 +163,24 @@ def test_shared_projections_follow_a_dtype_change():
     torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)
 
 
+def test_projections_in_one_storage_out_of_order_are_copied_not_grown():
+    # k, q, v rows of one buffer in that order: not end to end as q, k, v, so the sharing copies
+    # them into a new buffer; viewing past the old buffer's end would have reallocated it
+    model = tiny().eval()
+    attn = model.layers[0].attn
+    parts = (attn.k_proj, attn.q_proj, attn.v_proj)
+    with torch.no_grad():
+        weights = torch.cat([m.weight for m in parts])
+        for m, w in zip(parts, weights.split([m.weight.shape[0] for m in parts])):
+            m.weight.data = w
+    values = [m.weight.detach().clone() for m in parts]
+    ptr, nbytes = weights.untyped_storage().data_ptr(), weights.untyped_storage().nbytes()
+    fusion = FusedProjections(_layers(model), share=True)
+    assert (weights.untyped_storage().data_ptr(), weights.untyped_storage().nbytes()) == (ptr, nbytes)
+    assert fusion.shares(_layers(model))
+    assert all(torch.equal(m.weight, v) for m, v in zip(parts, values))
+
+
 def test_lora_layers_share_only_their_plain_projections():
     model = tiny(tied=False, lora=True).double().eval()
     q_storage = model.layers[0].attn.q_proj.weight.untyped_storage().data_ptr()

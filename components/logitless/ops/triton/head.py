@@ -361,7 +361,7 @@ class PinnedColumns:
         kernels.take_columns_kernel[(rows, triton_cdiv(k, TAKE_BLOCK))](
             dl, dl.stride(0), self.cols, self.dl, self.dl.stride(0), k,
             self.bins, self.slot, self.diag, start, BLOCK=TAKE_BLOCK, num_warps=4)
-        addmm_fp32_(self.acc, self.dl[:rows].t(), h_c)
+        _acc32(self.acc, self.dl[:rows].t(), h_c, first=False)
 
     def finish(self, dw: torch.Tensor, hidden: torch.Tensor, idx: Optional[torch.Tensor]) -> None:
         """Writes the pinned columns' dW rows and adds the label entries' to theirs."""
@@ -376,15 +376,6 @@ class PinnedColumns:
         kernels.add_label_rows_kernel[(rows, triton_cdiv(hid, block))](
             keys, perm, self.diag, hidden, idx if idx is not None else perm, dw, rows, hid, self.vocab,
             HAS_IDX=idx is not None, BLOCK_H=block, num_warps=4)
-
-
-def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in place, accumulated in fp32 (``acc`` fp32): on CUDA one cuBLAS GEMM with
-    an fp32 output from bf16/fp16 operands; elsewhere the operands are upcast."""
-    if a.is_cuda and a.dtype != torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def row_outputs(hidden: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -98,25 +98,22 @@ def _points_into(parts: Sequence[nn.Linear], fused: Projection) -> List[bool]:
 
 def _end_to_end(parts: Sequence[nn.Linear]) -> Optional[Projection]:
     """The concatenated ``(weight, bias)`` as views of the parts' own storage when the parts already
-    lie end to end in it (rows, then biases, each contiguous), else None."""
-    def joined(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-        first = tensors[0]
-        if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                   for t in tensors):
-            return None
+    lie end to end in it, in order (as :func:`_share` leaves them), else None."""
+    def spanning(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        # one view from the first part over all parts' rows; set_ past the storage's end would
+        # grow (reallocate) it, so that is ruled out first
+        first, storage = tensors[0], tensors[0].untyped_storage()
         rows = sum(t.shape[0] for t in tensors)
-        whole = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                        (rows, *first.shape[1:]), first.stride())
-        return whole if all(_is_view_of(t, v) for t, v in zip(tensors, whole.split([t.shape[0] for t in tensors])))\
-            else None
+        if not first.is_contiguous() or \
+                (first.storage_offset() + rows * first[0].numel()) * first.element_size() > storage.nbytes():
+            return None
+        return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]), first.stride())
 
-    weight = joined([p.weight.detach() for p in parts])
-    if weight is None:
+    weight = spanning([p.weight.detach() for p in parts])
+    bias = None if parts[0].bias is None else spanning([p.bias.detach() for p in parts])
+    if weight is None or (parts[0].bias is not None and bias is None):
         return None
-    if parts[0].bias is None:
-        return weight, None
-    bias = joined([p.bias.detach() for p in parts])
-    return None if bias is None else (weight, bias)
+    return (weight, bias) if all(_points_into(parts, (weight, bias))) else None
 
 
 @torch.no_grad()
