@@ -65,16 +65,18 @@ def mlp_layer(h, norm, w_gu, w_down, s_gu, s_down):
     return h + split_linear(act, w_down, s_down).to(h.dtype)
 
 
-def splits_of(k: int, choices=(2, 4, 5, 7, 8, 14)):
+def splits_of(k: int, choices=(2, 3, 4, 5, 7, 8, 14, 16)):
     """The split counts whose slices are whole 16-byte bf16 rows (``k / s`` a multiple of 8)."""
     return [s for s in choices if k % s == 0 and (k // s) % 8 == 0 and k // s >= 256]
 
 
-def product_rows(model, rows, device, reps, iters):
+def product_rows(model, rows, device, reps, iters, names=("qkv", "o", "gate_up", "down")):
     hid, inter, qw, kvw = MODELS[model]
     products = {"qkv": (qw + 2 * kvw, hid), "o": (hid, qw), "gate_up": (2 * inter, hid), "down": (hid, inter)}
     out = []
     for name, (n, k) in products.items():
+        if name not in names:
+            continue
         copies = max(2, -(-(512 << 20) // (n * k * 2)))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -135,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sections", default="product,chain")
+    ap.add_argument("--products", default="qkv,o,gate_up,down", help="the products of the product section")
+    ap.add_argument("--plans", default="0/0,0/2,0/4,0/5,0/7,0/8,0/14,2/0,2/7,2/8,0/0",
+                    help="gate_up/down split counts of the chain section (0: F.linear)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -143,9 +148,9 @@ def main(argv=None) -> int:
     rows = []
     for model in args.models.split(","):
         if "product" in args.sections:
-            rows += product_rows(model, args.rows, device, args.reps, args.iters)
+            rows += product_rows(model, args.rows, device, args.reps, args.iters, args.products.split(","))
         if "chain" in args.sections:
-            plans = [(0, 0), (0, 2), (0, 4), (0, 5), (0, 7), (0, 8), (0, 14), (2, 0), (2, 7), (2, 8), (0, 0)]
+            plans = [tuple(int(s) for s in plan.split("/")) for plan in args.plans.split(",")]
             rows += chain_rows(model, args.rows, args.layers, device, 1, args.iters, plans)
     meta = run_metadata(device)
     append_rows(Path(args.out or results_csv("split_gemm", meta["gpu"])), FIELDS, [dict(meta, **r) for r in rows])
