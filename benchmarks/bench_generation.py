@@ -409,6 +409,10 @@ def parse_args(argv=None):
                     "'unfused' run once per decode attention")
     ap.add_argument("--compiled-options", default="", help="CompiledSampler options of 'compiled', "
                     "e.g. graph_sampling=False,attention_window=None")
+    ap.add_argument("--gemm-backends", default=None,
+                    help="inductor's max_autotune_gemm_backends (e.g. TRITON: its GEMM templates, programmatic "
+                    "launches, instead of cuBLAS) for a compiled mode that autotunes, e.g. with "
+                    "--compiled-options mode='max-autotune'")
     ap.add_argument("--profile", action="store_true", help="profile the first model, rows and new_tokens only")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/generation_roofline_<gpu>.csv)")
     args = ap.parse_args(argv)
@@ -429,8 +433,19 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.gemm_backends:
+        return run(args)
+    with torch._inductor.config.patch(max_autotune_gemm_backends=args.gemm_backends):
+        return run(args)
+
+
+def run(args):
+    """The benchmark of :func:`parse_args`'s ``args``."""
     device = torch.device(args.device)
-    common = dict(run_metadata(device), options=" ".join(f"{k}={v}" for k, v in args.compiled_options.items()))
+    options = [f"{k}={v}" for k, v in args.compiled_options.items()]
+    if args.gemm_backends:
+        options.append(f"gemm_backends={args.gemm_backends}")
+    common = dict(run_metadata(device), options=" ".join(options))
     gpu = common["gpu"]
     compile = not args.no_compile
     cache_len = args.prompt_len + max(args.new_tokens)

@@ -162,3 +162,18 @@ def test_step_breakdown_never_reports_negative_idle_when_kernel_spans_overlap(be
                                  torch.device("cpu"))
     assert split["us"]["busy"] == 40.0 and split["us"]["wall"] == 30.0 and split["us"]["idle"] == 0.0
     assert "kernel spans sum to 60.0 us: they overlap" in bench.step_breakdown_table(split)
+
+
+def test_gemm_backends_reach_inductor_for_the_run_only_and_are_recorded(bench, tmp_path, monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(bench, "bench_config", lambda *a, **k: seen.append(
+        torch._inductor.config.max_autotune_gemm_backends) or [dict(model="tiny", status="ok")])
+    before = torch._inductor.config.max_autotune_gemm_backends
+    out = tmp_path / "gen.csv"
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "8",
+                       "--new-tokens", "6", "--samplers", "compiled", "--gemm-backends", "TRITON",
+                       "--compiled-options", "mode='max-autotune'", "--out", str(out)]) == 0
+    assert seen == ["TRITON"] and torch._inductor.config.max_autotune_gemm_backends == before
+    assert [r["options"] for r in csv.DictReader(out.open())] == ["mode=max-autotune gemm_backends=TRITON"]

@@ -1,0 +1,125 @@
+"""How long the fused head's forward takes depending on what the GPU ran just before it.
+
+``bench_head.py`` times each step right after a reference GEMM (one GEMM, then one step, per rep)
+so that both see the same clocks. This probe asks whether that order changes the step's time: for
+each predecessor it runs, per rep, the predecessor, a sync, then one timed forward
+(``logitless.linear_log_probs(..., impl="triton")`` under ``no_grad``, 10% ignored labels), and
+reports the median. Predecessors: none, the reference GEMM (``h @ W.T``), a 2.5 GB fill (memory
+traffic without tensor cores), ``torch.cuda._sleep`` for about a GEMM's time (an idle GPU), batched
+GEMMs on data that fits in L2 (tensor cores without HBM traffic) and the forward itself.
+
+One CSV (``benchmarks/results/head_predecessor_<gpu>.csv``).
+
+Example (H200):
+    PYTHONPATH=components python benchmarks/probe_head_predecessor.py --shapes qwen7b,qwen05b
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generation import _table, results_csv, run_metadata  # noqa: E402
+from bench_sft import append_rows  # noqa: E402
+
+#: (rows, hidden, vocab) as bench_head.py's shapes
+SHAPES = {"qwen7b": (8192, 3584, 152064), "llama8b": (8192, 4096, 128256), "qwen05b": (16384, 896, 151936)}
+FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "shape", "round", "predecessor", "predecessor_ms",
+          "forward_ms", "gemm_ms", "forward_gemms"]
+TABLE = ["shape", "round", "predecessor", "predecessor_ms", "forward_ms", "forward_gemms"]
+
+
+def predecessors(h, w, forward, device):
+    """Name -> callable, each about one reference GEMM long (the fill and the call excepted)."""
+    out = torch.empty(h.shape[0], w.shape[0], device=device, dtype=h.dtype)
+    cubes = torch.randn(16, 2048, 2048, device=device, dtype=torch.bfloat16)
+    gemm_ms = _median_ms(lambda: torch.mm(h, w.t(), out=out), 5)
+    cube_ms = _median_ms(lambda: torch.bmm(cubes, cubes), 5)
+    cycles = int(torch.cuda.get_device_properties(device).clock_rate * 1e3 * gemm_ms * 1e-3)
+    return gemm_ms, {
+        "none": lambda: None,
+        "gemm": lambda: torch.mm(h, w.t(), out=out),
+        "fill": lambda: out.fill_(1.0),
+        "sleep": lambda: torch.cuda._sleep(cycles),
+        "gemm_in_l2": lambda: [torch.bmm(cubes, cubes) for _ in range(max(1, round(gemm_ms / cube_ms)))],
+        "forward": forward,
+    }
+
+
+def _median_ms(fn, reps):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    times = []
+    for _ in range(reps):
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def shape_rows(shape, device, reps, rounds):
+    import logitless
+
+    n, hd, v = SHAPES[shape]
+    torch.manual_seed(0)
+    h = torch.randn(n, hd, device=device, dtype=torch.bfloat16)
+    w = torch.randn(v, hd, device=device, dtype=torch.bfloat16) * (2.0 / hd ** 0.5)  # logits of std 2
+    y = torch.randint(0, v, (n,), device=device)
+    y[torch.rand(n, device=device) < 0.1] = -100
+    forward = lambda: logitless.linear_log_probs(h, w, y, impl="triton")  # noqa: E731
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = []
+    with torch.no_grad():
+        gemm_ms, before = predecessors(h, w, forward, device)
+        for _ in range(3):
+            forward()
+        for rnd in range(rounds):
+            for name, pred in before.items():
+                fwd, prev = [], []
+                for _ in range(reps):
+                    a.record()
+                    pred()
+                    b.record()
+                    torch.cuda.synchronize()
+                    prev.append(a.elapsed_time(b))
+                    a.record()
+                    forward()
+                    b.record()
+                    torch.cuda.synchronize()
+                    fwd.append(a.elapsed_time(b))
+                ms = statistics.median(fwd)
+                rows.append(dict(shape=shape, round=rnd, predecessor=name, predecessor_ms=f"{statistics.median(prev):.3f}",
+                                 forward_ms=f"{ms:.3f}", gemm_ms=f"{gemm_ms:.3f}", forward_gemms=f"{ms / gemm_ms:.3f}"))
+                print(_table([rows[-1]], TABLE).splitlines()[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qwen7b,qwen05b", help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            ap.error(f"--shapes: {shape!r} is not one of {list(SHAPES)}")
+    device = torch.device("cuda")
+    rows = []
+    for shape in shapes:
+        rows += shape_rows(shape, device, args.reps, args.rounds)
+    meta = run_metadata(device)
+    append_rows(Path(args.out or results_csv("head_predecessor", meta["gpu"])), FIELDS, [dict(meta, **r) for r in rows])
+    print(_table(rows, TABLE))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
