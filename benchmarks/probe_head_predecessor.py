@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import _table, results_csv, run_metadata  # noqa: E402
+from bench_head import time_ms  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
 
 #: (rows, hidden, vocab) as bench_head.py's shapes
@@ -37,8 +38,8 @@ def predecessors(h, w, forward, device):
     """Name -> callable, each about one reference GEMM long (the fill and the call excepted)."""
     out = torch.empty(h.shape[0], w.shape[0], device=device, dtype=h.dtype)
     cubes = torch.randn(16, 2048, 2048, device=device, dtype=torch.bfloat16)
-    gemm_ms = _median_ms(lambda: torch.mm(h, w.t(), out=out), 5)
-    cube_ms = _median_ms(lambda: torch.bmm(cubes, cubes), 5)
+    gemm_ms = time_ms(lambda: torch.mm(h, w.t(), out=out), 5, 1)
+    cube_ms = time_ms(lambda: torch.bmm(cubes, cubes), 5, 1)
     cycles = int(torch.cuda.get_device_properties(device).clock_rate * 1e3 * gemm_ms * 1e-3)
     return gemm_ms, {
         "none": lambda: None,
@@ -48,19 +49,6 @@ def predecessors(h, w, forward, device):
         "gemm_in_l2": lambda: [torch.bmm(cubes, cubes) for _ in range(max(1, round(gemm_ms / cube_ms)))],
         "forward": forward,
     }
-
-
-def _median_ms(fn, reps):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    times = []
-    for _ in range(reps):
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def shape_rows(shape, device, reps, rounds):
@@ -73,7 +61,6 @@ def shape_rows(shape, device, reps, rounds):
     y = torch.randint(0, v, (n,), device=device)
     y[torch.rand(n, device=device) < 0.1] = -100
     forward = lambda: logitless.linear_log_probs(h, w, y, impl="triton")  # noqa: E731
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     with torch.no_grad():
         gemm_ms, before = predecessors(h, w, forward, device)
@@ -81,20 +68,10 @@ def shape_rows(shape, device, reps, rounds):
             forward()
         for rnd in range(rounds):
             for name, pred in before.items():
-                fwd, prev = [], []
-                for _ in range(reps):
-                    a.record()
-                    pred()
-                    b.record()
-                    torch.cuda.synchronize()
-                    prev.append(a.elapsed_time(b))
-                    a.record()
-                    forward()
-                    b.record()
-                    torch.cuda.synchronize()
-                    fwd.append(a.elapsed_time(b))
-                ms = statistics.median(fwd)
-                rows.append(dict(shape=shape, round=rnd, predecessor=name, predecessor_ms=f"{statistics.median(prev):.3f}",
+                # each rep: the predecessor, a sync, the timed forward (time_ms syncs after each)
+                pairs = [(time_ms(pred, 1, 0), time_ms(forward, 1, 0)) for _ in range(reps)]
+                prev, ms = statistics.median(p for p, _ in pairs), statistics.median(f for _, f in pairs)
+                rows.append(dict(shape=shape, round=rnd, predecessor=name, predecessor_ms=f"{prev:.3f}",
                                  forward_ms=f"{ms:.3f}", gemm_ms=f"{gemm_ms:.3f}", forward_gemms=f"{ms / gemm_ms:.3f}"))
                 print(_table([rows[-1]], TABLE).splitlines()[-1], flush=True)
     return rows
