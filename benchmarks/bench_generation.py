@@ -38,6 +38,7 @@ Example (H200):
 """
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
@@ -433,9 +434,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not args.gemm_backends:
-        return run(args)
-    with torch._inductor.config.patch(max_autotune_gemm_backends=args.gemm_backends):
+    backends = args.gemm_backends
+    with torch._inductor.config.patch(max_autotune_gemm_backends=backends) if backends else contextlib.nullcontext():
         return run(args)
 
 

@@ -24,11 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import _table, results_csv, run_metadata  # noqa: E402
-from bench_head import time_ms  # noqa: E402
+from bench_head import SHAPES, head_inputs, time_ms  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
 
-#: (rows, hidden, vocab) as bench_head.py's shapes
-SHAPES = {"qwen7b": (8192, 3584, 152064), "llama8b": (8192, 4096, 128256), "qwen05b": (16384, 896, 151936)}
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "shape", "round", "predecessor", "predecessor_ms",
           "forward_ms", "gemm_ms", "forward_gemms"]
 TABLE = ["shape", "round", "predecessor", "predecessor_ms", "forward_ms", "forward_gemms"]
@@ -54,12 +52,7 @@ def predecessors(h, w, forward, device):
 def shape_rows(shape, device, reps, rounds):
     import logitless
 
-    n, hd, v = SHAPES[shape]
-    torch.manual_seed(0)
-    h = torch.randn(n, hd, device=device, dtype=torch.bfloat16)
-    w = torch.randn(v, hd, device=device, dtype=torch.bfloat16) * (2.0 / hd ** 0.5)  # logits of std 2
-    y = torch.randint(0, v, (n,), device=device)
-    y[torch.rand(n, device=device) < 0.1] = -100
+    h, w, y = head_inputs(shape, device, ignore_frac=0.1)[:3]  # bench_head.py's: logits of std 2
     forward = lambda: logitless.linear_log_probs(h, w, y, impl="triton")  # noqa: E731
     rows = []
     with torch.no_grad():
