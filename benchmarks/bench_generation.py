@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_sft, kernel_breakdown
-from bench_sft import _add_columns  # noqa: E402
+from bench_sft import _add_columns, append_rows  # noqa: E402
 
 MODELS = {  # name: torchtune builder
     "0.5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
@@ -370,6 +370,13 @@ def results_csv(stem, gpu):
     """``benchmarks/results/<stem>_<gpu name>.csv``."""
     name = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}_{name}.csv")
+
+
+def save_rows(stem, fields, rows, device, out=None, **meta):
+    """Appends ``rows`` (dicts), each after the run's :func:`run_metadata` and ``meta``, to ``out``
+    or to :func:`results_csv` ``(stem, gpu)``."""
+    head = dict(run_metadata(device), **meta)
+    append_rows(Path(out or results_csv(stem, head["gpu"])), fields, [dict(head, **r) for r in rows])
 
 
 TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "decode_attention", "tokens_per_s", "mean_len",

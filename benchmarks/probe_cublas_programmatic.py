@@ -33,15 +33,13 @@ import ctypes
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generation import _table, results_csv, run_metadata  # noqa: E402
-from bench_sft import append_rows  # noqa: E402
+from bench_generation import _table, save_rows  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "cublaslt", "check", "producer", "consumer", "shape",
           "edges", "replays", "stale_replays", "graph_us", "per_gemm_us"]
@@ -293,9 +291,7 @@ def main(argv=None) -> int:
         return 0
     if args.sass:
         rows = sass_rows(args.sass)
-        meta = dict(run_metadata(device), cublaslt=cublaslt_version())
-        append_rows(Path(args.out or results_csv("cublas_sass_waits", meta["gpu"])), SASS_FIELDS,
-                    [dict(meta, **r) for r in rows])
+        save_rows("cublas_sass_waits", SASS_FIELDS, rows, device, args.out, cublaslt=cublaslt_version())
         print(_table(rows, SASS_FIELDS[4:]))
         return 0
     rows = []
@@ -307,8 +303,7 @@ def main(argv=None) -> int:
                          edges=edges, replays=args.replays, stale_replays=stale))
         print(_table([rows[-1]], TABLE).splitlines()[-1], flush=True)
     rows += chain_rows(64, 1536, args.layers, args.rounds, args.replays)
-    meta = dict(run_metadata(device), cublaslt=cublaslt_version())
-    append_rows(Path(args.out or results_csv("cublas_programmatic", meta["gpu"])), FIELDS, [dict(meta, **r) for r in rows])
+    save_rows("cublas_programmatic", FIELDS, rows, device, args.out, cublaslt=cublaslt_version())
     print(_table(rows, TABLE))
     return 0
 

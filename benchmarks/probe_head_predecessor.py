@@ -18,14 +18,12 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generation import _table, results_csv, run_metadata  # noqa: E402
+from bench_generation import _table, save_rows  # noqa: E402
 from bench_head import SHAPES, head_inputs, time_ms  # noqa: E402
-from bench_sft import append_rows  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "shape", "round", "predecessor", "predecessor_ms",
           "forward_ms", "gemm_ms", "forward_gemms"]
@@ -85,8 +83,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         rows += shape_rows(shape, device, args.reps, args.rounds)
-    meta = run_metadata(device)
-    append_rows(Path(args.out or results_csv("head_predecessor", meta["gpu"])), FIELDS, [dict(meta, **r) for r in rows])
+    save_rows("head_predecessor", FIELDS, rows, device, args.out)
     print(_table(rows, TABLE))
     return 0
 

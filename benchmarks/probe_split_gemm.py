@@ -24,15 +24,13 @@ Example (H200):
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_attention import time_call  # noqa: E402
-from bench_generation import _table, results_csv, run_metadata  # noqa: E402
-from bench_sft import append_rows  # noqa: E402
+from bench_generation import _table, save_rows  # noqa: E402
 
 #: (hidden, intermediate, query width, key/value width) of Qwen2.5's layers
 MODELS = {"0.5b": (896, 4864, 896, 128), "1.5b": (1536, 8960, 1536, 256), "7b": (3584, 18944, 3584, 512)}
@@ -152,8 +150,7 @@ def main(argv=None) -> int:
         if "chain" in args.sections:
             plans = [tuple(int(s) for s in plan.split("/")) for plan in args.plans.split(",")]
             rows += chain_rows(model, args.rows, args.layers, device, 1, args.iters, plans)
-    meta = run_metadata(device)
-    append_rows(Path(args.out or results_csv("split_gemm", meta["gpu"])), FIELDS, [dict(meta, **r) for r in rows])
+    save_rows("split_gemm", FIELDS, rows, device, args.out)
     print(_table(rows, TABLE))
     return 0
 

@@ -177,3 +177,16 @@ def test_gemm_backends_reach_inductor_for_the_run_only_and_are_recorded(bench, t
                        "--compiled-options", "mode='max-autotune'", "--out", str(out)]) == 0
     assert seen == ["TRITON"] and torch._inductor.config.max_autotune_gemm_backends == before
     assert [r["options"] for r in csv.DictReader(out.open())] == ["mode=max-autotune gemm_backends=TRITON"]
+
+
+def test_save_rows_writes_each_row_after_the_run_metadata(bench, tmp_path):
+    import torch
+
+    out = tmp_path / "probe.csv"
+    fields = ["date", "gpu", "torch", "cublaslt", "check", "stale"]
+    bench.save_rows("probe", fields, [dict(check="race", stale=3), dict(check="chain", stale=0)],
+                    torch.device("cpu"), str(out), cublaslt=130100)
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["check"], r["stale"], r["cublaslt"], r["torch"]) for r in rows] == [
+        ("race", "3", "130100", torch.__version__), ("chain", "0", "130100", torch.__version__)]
+    assert bench.results_csv("probe", "NVIDIA H200").endswith("results/probe_nvidia_h200.csv")
