@@ -12,7 +12,10 @@ gate/up projection, ``down``) it times
   ``gate_up`` also ``triton_sweep_plain``: gate and up as one product without the activation, so
   that it can split the reduction);
 * ``triton_pdl``: the default tiling as programmatic dependent launches (each call may start, and
-  read its first weight block, while the one before finishes), as the decode step launches it.
+  read its first weight block, while the one before finishes), as the decode step launches it;
+* ``quack`` / ``quack_tuned`` (when ``quack-kernels`` is installed): QuACK's CuTe-DSL Hopper GEMM
+  (``quack.gemm_interface.gemm``, its default configuration / its autotuner), which launches as a
+  programmatic dependent launch and waits for its predecessor (for ``gate_up`` the GEMM alone).
 
 Each method is a CUDA graph of one call per weight copy, over enough copies (``--min-bytes``) that
 the weights come from HBM, not L2, as a step's layers do; the time is per call. ``of_copy_bw`` is the
@@ -48,9 +51,18 @@ from logitless.ops.triton.decode_linear import (DecodeLinearLaunch, decode_linea
 MODELS = {"0.5b": (896, 14, 2, 64, 4864), "1.5b": (1536, 12, 2, 128, 8960), "7b": (3584, 28, 4, 128, 18944),
           "tiny": (64, 4, 2, 16, 160)}
 PRODUCTS = ("qkv", "o", "gate_up", "down")
+METHODS = ("cublas", "cublas_act", "triton", "triton_pdl", "quack", "quack_tuned")
 FIELDS = ["date", "gpu", "torch", "triton", "model", "rows", "product", "n", "k", "method", "block_n", "block_k",
           "splits", "num_warps", "num_stages", "us", "bytes", "copy_gbps", "roofline_us", "of_copy_bw", "max_err",
           "ref_err", "status"]
+
+
+def quack_linear(x, w, bias=None, tuned=False, out=None):
+    """``F.linear(x, w, bias)`` through QuACK's CuTe-DSL GEMM (``quack-kernels``, imported here so that
+    the benchmarks run without it)."""
+    from quack.gemm_interface import gemm
+
+    return gemm(x, w.t(), out=out, bias=bias, tuned=tuned)
 
 
 def product_shapes(model):
@@ -106,6 +118,9 @@ def bench(args):
                     methods.append(("cublas_act", None, lambda w: act(F.linear(x, w))))
                 default = decode_linear_launch(n, k, gated, _num_sms(device))
                 methods += [("triton", default, None), ("triton_pdl", default, None)]
+                methods += [(name, None, lambda w, tuned=name == "quack_tuned": quack_linear(x, w, bias, tuned))
+                            for name in ("quack", "quack_tuned")]
+                methods = [m for m in methods if m[0] in args.methods]
                 if args.sweep:
                     methods += [("triton_sweep", launch, None) for launch in sweep_launches(k, gated)]
                     if gated:  # gate and up as one plain product (split-K possible), the activation after it
@@ -121,7 +136,7 @@ def bench(args):
                               decode_linear(x, w, None if gated else bias, gated=g, launch=launch, programmatic=pdl))
                     try:
                         got = fn(weights[0]).double()
-                        if name in ("cublas", "triton_sweep_plain") and gated:
+                        if name in ("cublas", "triton_sweep_plain", "quack", "quack_tuned") and gated:
                             ref_err = (got - plain).abs().max().item()
                             err = ref_err
                         else:
@@ -159,6 +174,8 @@ def parse_args(argv=None):
     ap.add_argument("--models", default="0.5b,1.5b,7b", help=f"comma list of {list(MODELS)}")
     ap.add_argument("--rows", type=_ints, default=[16, 64])
     ap.add_argument("--products", default=",".join(PRODUCTS), help=f"comma list of {list(PRODUCTS)}")
+    ap.add_argument("--methods", default="cublas,cublas_act,triton,triton_pdl",
+                    help=f"comma list of {list(METHODS)} (quack*: needs quack-kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time every tiling of the sweep")
     ap.add_argument("--min-bytes", type=int, default=400 * 2**20,
                     help="weight copies per graph: at least this many bytes (keeps L2 out of it)")
@@ -167,6 +184,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.models = comma_choices(ap, "--models", args.models, MODELS)
     args.products = comma_choices(ap, "--products", args.products, PRODUCTS)
+    args.methods = comma_choices(ap, "--methods", args.methods, METHODS)
     if not torch.cuda.is_available() or args.device == "cpu":
         ap.error("needs a CUDA device (the methods are timed as CUDA graphs)")
     return args

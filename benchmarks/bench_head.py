@@ -4,7 +4,8 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
 
 * modes: ``ce`` (cross-entropy mean, forward+backward), ``logp`` (per-token log-probs + entropy
   with random per-token upstream gradients, forward+backward), ``fwd`` (log-probs + entropy under
-  ``no_grad``, the old/reference pass of RL), ``obj`` (the GRPO policy loss, forward+backward of a
+  ``no_grad``, the old/reference pass of RL), ``ref`` (log-probs alone under ``no_grad``, as
+  GRPO's reference and old passes ask for them), ``obj`` (the GRPO policy loss, forward+backward of a
   scalar: PPO-clipped ratio against fixed old log-probs with per-token advantages, minus 0.01 x
   entropy, token mean; the terms are ``GRPOLoss.token_terms``);
 * impls: ``torch`` (plain: bf16 logits, fp32 loss), ``compile`` (``torch.compile`` of it),
@@ -16,11 +17,14 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   ``obj`` forced at every size, dW rounded once per row chunk), ``triton_twopass`` (the 4-GEMM path
   forced), ``triton_hgemm`` / ``triton_fused_hgemm`` (``triton`` /
   ``triton_fused`` with ``LOGITLESS_HEAD_GEMM=triton``: the Triton GEMMs with their epilogues
-  inside, forward and backward), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
+  inside, forward and backward), ``triton_quack`` (``triton`` with ``LOGITLESS_HEAD_GEMM=quack``:
+  ``ref`` on QuACK's GEMM, the other modes as ``triton``), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
   objective in torch, forward + recomputing backward), ``liger`` (Liger-Kernel fused linear CE),
-  ``cce`` (Cut Cross-Entropy). Liger and CCE have no entropy output: they run ``ce`` and ``fwd``
-  (log-probs only) and are marked n/a in ``logp`` and ``obj``. A peer that is not installed is
-  reported.
+  ``cce`` (Cut Cross-Entropy), ``quack`` (QuACK's chunked linear cross-entropy in its default: CuTe-DSL
+  GEMMs, its scaled-exp pipeline where it applies, fp32 dW; ``fwd``: its loss-only GEMM whose
+  epilogue keeps the row statistics and the label's logit, the logits never stored). Liger, CCE and
+  QuACK have no entropy output: they run ``ce`` and ``fwd`` (log-probs only) and are marked n/a in
+  ``logp`` and ``obj``. A peer that is not installed is reported.
 
 * inputs (``--logits``): ``gaussian`` (hidden ~ N(0, 1), logits of std ``--logit-std``, 2 by
   default) or ``peaked`` (a trained LM's: each row's hidden state points at 3 tokens whose logits
@@ -74,8 +78,8 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "sft05b": (65536, 896, 151936),  # the 0.5B SFT step's 8 x 8192 tokens
 }
 IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_twopass",
-         "triton_hgemm", "triton_fused_hgemm", "triton_unfused", "liger", "cce"]
-MODES = ["ce", "logp", "fwd", "obj"]
+         "triton_hgemm", "triton_fused_hgemm", "triton_quack", "triton_unfused", "liger", "cce", "quack"]
+MODES = ["ce", "logp", "fwd", "ref", "obj"]
 IGN = -100
 # The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
 # gradient), and the spread of log(pi / pi_old) (some ratios clipped on each side).
@@ -85,7 +89,8 @@ _GRPO = []  # the GRPOLoss whose token_terms are the objective (its import pulls
 
 def _peer_versions():
     out = {}
-    for mod, name in (("liger_kernel", "liger-kernel"), ("cut_cross_entropy", "cut-cross-entropy")):
+    for mod, name in (("liger_kernel", "liger-kernel"), ("cut_cross_entropy", "cut-cross-entropy"),
+                      ("quack", "quack-kernels")):
         try:
             from importlib.metadata import version
 
@@ -104,6 +109,12 @@ def _plain_logp_ent(h, w, y):
     logp = logz.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1) * valid
     ent = -(logz.exp() * logz).sum(-1) * valid
     return logp, ent
+
+
+def _plain_logp(h, w, y):
+    logits = (h @ w.t()).float()
+    valid = y != IGN
+    return logits.log_softmax(-1).gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1) * valid, None
 
 
 def _plain_ce(h, w, y):
@@ -186,19 +197,19 @@ def build(impl, mode):
 
     if mode == "obj":
         _grpo()  # constructed outside any torch.compile trace
-    if impl.endswith("_hgemm"):
-        if impl not in ("triton_hgemm", "triton_fused_hgemm"):
+    if impl.endswith("_hgemm") or impl == "triton_quack":
+        if impl not in ("triton_hgemm", "triton_fused_hgemm", "triton_quack"):
             raise ValueError(f"unknown impl {impl!r}")
-        f = build(impl[: -len("_hgemm")], mode)
+        f = build(impl.rsplit("_", 1)[0], mode)
         if not isinstance(f, str):
-            f = _with_triton_gemms(f)
+            f = _with_head_gemm(f, "quack" if impl == "triton_quack" else "triton")
         return f
     if impl in ("torch", "compile"):
-        f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent)}.get(mode, _plain_logp_ent)
+        f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent), "ref": _plain_logp}.get(mode, _plain_logp_ent)
         return torch.compile(f) if impl == "compile" else f
     if impl in ("tt_chunked", "tt_compiled"):
-        if mode == "obj":
-            return "n/a: no fused objective"
+        if mode in ("obj", "ref"):
+            return "n/a: no fused objective" if mode == "obj" else "n/a: entropy always computed"
         chunk = _tt_chunk_ce if mode == "ce" else _tt_chunk_logp
         if impl == "tt_compiled":  # torchtune.training.compile_loss: only the per-chunk loss
             chunk = torch.compile(chunk)
@@ -235,7 +246,7 @@ def build(impl, mode):
             return lambda h, w, y: logitless.linear_cross_entropy(h, w, y, impl=impl)
         if mode == "obj":
             return lambda h, w, y, adv, old: _linear_obj(h, w, y, adv, old, impl)
-        return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl)
+        return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl, return_entropy=mode != "ref")
     if impl == "liger":
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as lfce
@@ -256,14 +267,31 @@ def build(impl, mode):
         if mode == "ce":
             return lambda h, w, y: cce(h, w, y, ignore_index=IGN)
         return lambda h, w, y: (-cce(h, w, y, ignore_index=IGN, reduction="none"), None)
+    if impl == "quack":
+        try:
+            from quack.epilogue.library import lse_target_epi
+            from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
+        except Exception as exc:
+            return f"missing: {type(exc).__name__}: {exc}"[:120]
+        if mode in ("logp", "obj"):
+            return "n/a: no entropy output"
+        if mode == "ce":
+            return lambda h, w, y: qlce(h, w, y, ignore_index=IGN)
+
+        def quack_log_probs(h, w, y):
+            # the GEMM's epilogue keeps each row's log-sum-exp and its label's fp32 logit
+            stats = lse_target_epi(h, w.mT, store_d=False, target=y, tuned=False)
+            return torch.where(y != IGN, stats["target_logit"] - stats["lse"], 0.0), None
+
+        return quack_log_probs
     raise ValueError(f"unknown impl {impl!r}")
 
 
-class _with_triton_gemms:
-    """``f`` whose step (forward and backward, see :func:`step`) runs with LOGITLESS_HEAD_GEMM=triton."""
+class _with_head_gemm:
+    """``f`` whose step (forward and backward, see :func:`step`) runs with LOGITLESS_HEAD_GEMM=``mode``."""
 
-    def __init__(self, f):
-        self.f = f
+    def __init__(self, f, mode):
+        self.f, self.mode = f, mode
 
     def __call__(self, *args):
         return self.f(*args)
@@ -271,7 +299,7 @@ class _with_triton_gemms:
     def context(self):
         from logitless.settings import settings
 
-        return settings.override(head_gemm="triton")
+        return settings.override(head_gemm=self.mode)
 
 
 def _linear_obj(h, w, y, adv, old, impl):
@@ -293,7 +321,7 @@ def step(f, mode, h, w, y, g1, g2):
 
 
 def _step(f, mode, h, w, y, g1, g2):
-    if mode == "fwd":
+    if mode in ("fwd", "ref"):
         with torch.no_grad():
             return f(h, w, y)
     h.grad = w.grad = None
@@ -373,7 +401,7 @@ def errors(mode, out, h, w, ref):
     err = rel(logp, r_lp)
     if ent is not None:
         err = max(err, rel(ent, r_ent))
-    if mode == "fwd":
+    if mode in ("fwd", "ref"):
         return dict(err_out=err)
     return dict(err_out=err, err_dh=rel(h.grad, r_dh), err_dw=rel(w.grad, r_dw))
 
@@ -777,7 +805,7 @@ def plot(csv_path, png_path):
         rows = [r for r in csv.DictReader(fh) if r["ms"]]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    targets = {"ce": 3.3, "logp": 4.4, "fwd": 1.1, "obj": 3.3}
+    targets = {"ce": 3.3, "logp": 4.4, "fwd": 1.1, "ref": 1.05, "obj": 3.3}
     fig, axes = plt.subplots(2, len(MODES), figsize=(5.2 * len(MODES), 7.5), squeeze=False)
     width = 0.8 / len(impls)
     for col, mode in enumerate(MODES):
@@ -793,7 +821,7 @@ def plot(csv_path, png_path):
             ax.set_ylabel(label)
             if key == "gemms":
                 ax.axhline(targets[mode], color="k", ls="--", lw=1)
-                ax.set_title(f"{mode}: fwd+bwd" if mode != "fwd" else "fwd: no_grad")
+                ax.set_title(f"{mode}: no_grad" if mode in ("fwd", "ref") else f"{mode}: fwd+bwd")
             else:
                 ax.set_yscale("log")
     axes[0][0].legend(fontsize=7, ncol=2)

@@ -15,6 +15,10 @@ captured graph's edges through the CUDA driver API (ctypes) and checks:
   shapes, timed with plain and with programmatic edges into the GEMMs: what the edge would be worth
   for a GEMM that waited. The programmatic timing is not a safe configuration with cuBLAS.
 
+With ``--quack`` (``quack-kernels`` installed) QuACK's CuTe-DSL Hopper GEMM, which launches as a
+programmatic dependent launch and waits for its predecessor, is asked the same: its race check
+(its edges are programmatic as captured, none edited) and its chain.
+
 One CSV (``benchmarks/results/cublas_programmatic_<gpu>.csv``). The same question asked of the
 machine code: ``--decode-gemms`` runs cuBLAS's GEMMs at Qwen2.5's decode shapes for Nsight Compute to
 disassemble, and ``--sass DUMP`` counts, per kernel of its source page, the SASS of
@@ -40,6 +44,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import _table, save_rows  # noqa: E402
+from bench_decode_linear import quack_linear  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "cublaslt", "check", "producer", "consumer", "shape",
           "edges", "replays", "stale_replays", "graph_us", "per_gemm_us"]
@@ -111,6 +116,18 @@ def make_edges_programmatic(graph, consumer) -> int:
     return len(chosen)
 
 
+def programmatic_edges(graph) -> int:
+    """How many edges of a captured ``graph`` are programmatic (as a programmatic launch records them)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    _check(lib.cuGraphGetEdges_v2(handle, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
+    n = count.value
+    src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
+    _check(lib.cuGraphGetEdges_v2(handle, src, dst, data, ctypes.byref(count)), "cuGraphGetEdges")
+    return sum(data[i].type == 1 for i in range(n))
+
+
 def cublaslt_version():
     """The loaded cuBLASLt's ``cublasLtGetVersion()`` (major * 10000 + minor * 100 + patch)."""
     torch.cuda.current_blas_handle()
@@ -157,8 +174,9 @@ def delayed_copy(src, dst, spin_us, one_program):
 
 
 def captured(fn, programmatic_into=None):
-    """``(graph, edges changed)``: ``fn`` run once (compiles, picks cuBLAS's kernels), then captured,
-    with the edges into the kernels ``programmatic_into`` names made programmatic."""
+    """``(graph, edges)``: ``fn`` run once (compiles, picks cuBLAS's kernels), then captured, with the
+    edges into the kernels ``programmatic_into`` names made programmatic (``edges``: how many); without
+    ``programmatic_into``, ``edges`` counts the programmatic edges as captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -167,29 +185,34 @@ def captured(fn, programmatic_into=None):
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    edges = make_edges_programmatic(graph, programmatic_into) if programmatic_into else 0
+    edges = make_edges_programmatic(graph, programmatic_into) if programmatic_into else programmatic_edges(graph)
     graph.instantiate()
     return graph, edges
 
 
 def stale_replays(consumer, shape, producer="one", replays=30, spin_us=20.0):
-    """The race check: ``(edges changed, replays whose output missed the producer's write)``.
-    ``consumer``: ``"cublas"`` (``x @ w``), ``"copy_wait"`` or ``"copy_no_wait"``; ``producer``:
-    ``"one"`` program or ``"wide"`` (one per 1024 elements)."""
+    """The race check: ``(edges, replays whose output missed the producer's write)``.
+    ``consumer``: ``"cublas"`` (``x @ w``), ``"quack"`` (the same product by QuACK's GEMM, its edges as
+    captured), ``"copy_wait"`` or ``"copy_no_wait"``; ``producer``: ``"one"`` program or ``"wide"``
+    (one per 1024 elements)."""
     rows, k, n = shape
     src = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros_like(src)
     w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    out = torch.empty(rows, n if consumer == "cublas" else k, device="cuda", dtype=torch.bfloat16)
+    gemm = consumer in ("cublas", "quack")
+    out = torch.empty(rows, n if gemm else k, device="cuda", dtype=torch.bfloat16)
+    product = (lambda a, out=None: torch.mm(a, w, out=out)) if consumer == "cublas" else (
+        lambda a, out=None: quack_linear(a, w.t(), out=out))
 
     def fn():
         delayed_copy(src, x, spin_us, producer == "one")
-        if consumer == "cublas":
-            torch.mm(x, w, out=out)
+        if gemm:
+            product(x, out=out)
         else:
             copy_kernel[(triton.cdiv(x.numel(), BLOCK),)](x, out, x.numel(), WAIT=consumer == "copy_wait", BLOCK=BLOCK)
 
-    into = (lambda name: name.startswith("nvjet")) if consumer == "cublas" else (lambda name: name == "copy_kernel")
+    into = {"cublas": lambda name: name.startswith("nvjet"), "quack": None}.get(
+        consumer, lambda name: name == "copy_kernel")
     graph, edges = captured(fn, into)
     stale = 0
     for _ in range(replays):
@@ -197,13 +220,15 @@ def stale_replays(consumer, shape, producer="one", replays=30, spin_us=20.0):
         x.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        stale += int(not torch.equal(out, torch.mm(src, w) if consumer == "cublas" else src))
+        # a GEMM against its own product of the fresh input: the same kernel, the same bits
+        stale += int(not torch.equal(out, product(src) if gemm else src))
     return edges, stale
 
 
-def chain_rows(rows: int, hidden: int, layers: int, rounds: int, replays: int):
+def chain_rows(rows: int, hidden: int, layers: int, rounds: int, replays: int, gemm: str = "cublas"):
     """Times the decode-like chain with plain and programmatic edges into its GEMMs; counts the
-    GEMMs of the last layer whose output differs from a fresh product after the timed replays."""
+    GEMMs of the last layer whose output differs from a fresh product after the timed replays.
+    ``gemm="quack"``: QuACK's GEMMs, timed once, with the edges as captured (programmatic)."""
     widths = (2048, hidden, 17920, hidden)  # Qwen2.5-1.5B: q/k/v, output, gate/up, down (its input 8960)
     inputs = {hidden: torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16),
               8960: torch.randn(rows, 8960, device="cuda", dtype=torch.bfloat16)}
@@ -215,14 +240,18 @@ def chain_rows(rows: int, hidden: int, layers: int, rounds: int, replays: int):
             gemms.append((k, torch.randn(k, width, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
                           torch.empty(rows, width, device="cuda", dtype=torch.bfloat16)))
 
+    product = (lambda a, w, out=None: torch.mm(a, w, out=out)) if gemm == "cublas" else (
+        lambda a, w, out=None: quack_linear(a, w.t(), out=out))
+
     def fn():
         for k, w, out in gemms:
             delayed_copy(inputs[k], staged[k], 0.0, one_program=False)
-            torch.mm(staged[k], w, out=out)
+            product(staged[k], w, out=out)
 
-    times, edges, stale = {False: [], True: []}, {}, {False: 0, True: 0}
+    variants = (False, True) if gemm == "cublas" else (None,)
+    times, edges, stale = {p: [] for p in variants}, {}, {p: 0 for p in variants}
     for _ in range(rounds):
-        for programmatic in (False, True):
+        for programmatic in variants:
             graph, edges[programmatic] = captured(fn, (lambda name: name.startswith("nvjet")) if programmatic else None)
             for _ in range(10):
                 graph.replay()
@@ -233,12 +262,12 @@ def chain_rows(rows: int, hidden: int, layers: int, rounds: int, replays: int):
             end.record()
             torch.cuda.synchronize()
             times[programmatic].append(start.elapsed_time(end) * 1000 / replays)
-            stale[programmatic] += sum(not torch.equal(out, torch.mm(staged[k], w)) for k, w, out in gemms[-4:])
+            stale[programmatic] += sum(not torch.equal(out, product(staged[k], w)) for k, w, out in gemms[-4:])
             del graph
-    return [dict(check="chain", producer="wide", consumer="cublas", shape=f"{layers}x4 gemms, {rows} rows",
+    return [dict(check="chain", producer="wide", consumer=gemm, shape=f"{layers}x4 gemms, {rows} rows",
                  edges=edges[p], replays=replays * rounds, stale_replays=stale[p],
                  graph_us=f"{statistics.median(times[p]):.1f}", per_gemm_us=f"{statistics.median(times[p]) / len(gemms):.3f}")
-            for p in (False, True)]
+            for p in variants]
 
 
 def decode_gemms() -> None:
@@ -282,6 +311,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=28, help="decode layers of the chain (4 GEMMs each)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quack", action="store_true", help="also QuACK's GEMM (needs quack-kernels)")
     ap.add_argument("--decode-gemms", action="store_true", help="only run the decode GEMMs (under ncu)")
     ap.add_argument("--sass", default=None, help="summarise this ncu source-page dump instead")
     args = ap.parse_args(argv)
@@ -297,12 +327,16 @@ def main(argv=None) -> int:
     rows = []
     checks = [("one", "cublas", shape) for shape in SHAPES] + [("wide", "cublas", SHAPES[0])]
     checks += [("one", consumer, SHAPES[0]) for consumer in ("copy_wait", "copy_no_wait")]
+    if args.quack:
+        checks += [("one", "quack", shape) for shape in SHAPES]
     for producer, consumer, shape in checks:
         edges, stale = stale_replays(consumer, shape, producer, args.replays, args.spin_us)
         rows.append(dict(check="race", producer=producer, consumer=consumer, shape="x".join(map(str, shape)),
                          edges=edges, replays=args.replays, stale_replays=stale))
         print(_table([rows[-1]], TABLE).splitlines()[-1], flush=True)
     rows += chain_rows(64, 1536, args.layers, args.rounds, args.replays)
+    if args.quack:
+        rows += chain_rows(64, 1536, args.layers, args.rounds, args.replays, gemm="quack")
     save_rows("cublas_programmatic", FIELDS, rows, device, args.out, cublaslt=cublaslt_version())
     print(_table(rows, TABLE))
     return 0

@@ -143,13 +143,17 @@ KNOBS: Dict[str, Knob] = {
         "Programs per SM the epilogue grids aim for (rows x column splits): more splits keep small "
         "chunks streaming, for more partial results to merge."),
     "head_gemm": Knob(
-        "LOGITLESS_HEAD_GEMM", "cublas", _choice("cublas", "triton", "auto"),
+        "LOGITLESS_HEAD_GEMM", "auto", _choice("cublas", "triton", "quack", "auto"),
         "GEMMs of impl='triton': 'cublas' (cuBLAS GEMMs over logits tiles, Triton epilogue kernels "
         "between them), 'triton' (persistent Triton GEMMs with the statistics / dlogits / dW "
         "accumulation in their epilogues: no logits workspace, no logits round trip; slower than "
-        "cublas on an H200 at the 7B head, more accurate log-probs), 'auto' (triton only at shapes a "
-        "committed H200 measurement says it wins; none so far, so cublas). Inputs a tensor "
-        "descriptor cannot read (H * itemsize not a multiple of 16 bytes) keep cublas."),
+        "cublas on an H200 at the 7B head, more accurate log-probs), 'quack' (log-probs without "
+        "entropy or gradients, e.g. GRPO's reference and old passes, on QuACK's CuTe-DSL GEMM with "
+        "the log-sum-exp and the label's logit in its epilogue: bf16 on sm_90, H % 8 == 0; needs "
+        "quack-kernels; every other call as cublas), 'auto' (quack where it applies and "
+        "quack-kernels is installed, else cublas; triton at no shape, since a committed H200 "
+        "measurement says it wins at none). Inputs a tensor descriptor cannot read (H * itemsize "
+        "not a multiple of 16 bytes) keep cublas."),
     "head_gemm_programs_per_sm": Knob(
         "LOGITLESS_HEAD_GEMM_PROGRAMS_PER_SM", 1, _positive_int,
         "Persistent programs per SM of the Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton): more "

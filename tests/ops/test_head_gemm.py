@@ -76,7 +76,7 @@ def _cross_entropy_and_grads(hidden, weight, labels, temperature, reduction="mea
 
 
 def test_knob_values_and_bad_value_names_the_variable(monkeypatch):
-    assert settings.head_gemm == "cublas"
+    assert settings.head_gemm == "auto"
     monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "Triton")
     assert settings.head_gemm == "triton"
     monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "cutlass")

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from logitless.ops import _validate
+from logitless.ops import _validate, quack_head
 from logitless.settings import settings
 from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch.library ops)
 
@@ -26,7 +26,13 @@ from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch
 def _head_gemm() -> str:
     """``LOGITLESS_HEAD_GEMM`` as this call sees it, handed to the forward op, whose backward then runs
     the same GEMMs whenever it runs (under ``torch.compile``: the value when the graph was traced)."""
-    return settings.head_gemm
+    mode = settings.head_gemm
+    if mode == "quack" and not quack_head.quack_installed():
+        raise ValueError(
+            "LOGITLESS_HEAD_GEMM='quack' needs quack-kernels (pip install 'logitless[quack]'), which is "
+            "not installed; use 'cublas' or 'auto'"
+        )
+    return mode
 
 __all__ = ["linear_cross_entropy", "linear_log_probs"]
 
@@ -94,9 +100,14 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
     nv = -1 if n_valid is None else int(n_valid)
     need_dh = hidden2d.requires_grad and torch.is_grad_enabled()
     need_dw = weight.requires_grad and torch.is_grad_enabled()
+    mode = _head_gemm()
+    if not (need_dh or need_dw) and quack_head.forward_applies(h, w, mode):
+        nll = -quack_head.log_probs(h, w, y, ignore_index=ignore_index, temperature=t)
+        if reduction == "none":
+            return nll
+        return nll.sum() if reduction == "sum" else nll.sum() / (y != ignore_index).sum().clamp(min=1)
     if reduction == "none":
-        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw, nv,
-                                                   _head_gemm())[0]
+        logp = torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, need_dh or need_dw, nv, mode)[0]
         return -logp
     if need_dh or need_dw:
         return torch.ops.logitless.triton_ce_fused(h, w, y, ignore_index, t, reduction == "mean",
@@ -133,7 +144,9 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     for_backward = torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad)
+    mode = _head_gemm()
+    if not (for_backward or return_entropy) and quack_head.forward_applies(h, w, mode):
+        return quack_head.log_probs(h, w, y, ignore_index=ignore_index, temperature=temperature), None
     logp, ent, _ = torch.ops.logitless.triton_head_fwd(
-        h, w, y, ignore_index, float(temperature), for_backward, -1 if n_valid is None else int(n_valid),
-        _head_gemm())
+        h, w, y, ignore_index, float(temperature), for_backward, -1 if n_valid is None else int(n_valid), mode)
     return logp, (ent if return_entropy else None)
