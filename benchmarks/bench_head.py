@@ -247,44 +247,48 @@ def build(impl, mode):
         if mode == "obj":
             return lambda h, w, y, adv, old: _linear_obj(h, w, y, adv, old, impl)
         return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl, return_entropy=mode != "ref")
-    if impl == "liger":
+    if impl in _PEERS:
         try:
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as lfce
+            ce, log_probs = _PEERS[impl]()
         except Exception as exc:
             return f"missing: {type(exc).__name__}: {exc}"[:120]
         if mode in ("logp", "obj"):
             return "n/a: no entropy output"
         if mode == "ce":
-            return lambda h, w, y: lfce(h, w, y, ignore_index=IGN)
-        return lambda h, w, y: (-lfce(h, w, y, ignore_index=IGN, reduction="none"), None)
-    if impl == "cce":
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-        except Exception as exc:
-            return f"missing: {type(exc).__name__}: {exc}"[:120]
-        if mode in ("logp", "obj"):
-            return "n/a: no entropy output"
-        if mode == "ce":
-            return lambda h, w, y: cce(h, w, y, ignore_index=IGN)
-        return lambda h, w, y: (-cce(h, w, y, ignore_index=IGN, reduction="none"), None)
-    if impl == "quack":
-        try:
-            from quack.epilogue.library import lse_target_epi
-            from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
-        except Exception as exc:
-            return f"missing: {type(exc).__name__}: {exc}"[:120]
-        if mode in ("logp", "obj"):
-            return "n/a: no entropy output"
-        if mode == "ce":
-            return lambda h, w, y: qlce(h, w, y, ignore_index=IGN)
-
-        def quack_log_probs(h, w, y):
-            # the GEMM's epilogue keeps each row's log-sum-exp and its label's fp32 logit
-            stats = lse_target_epi(h, w.mT, store_d=False, target=y, tuned=False)
-            return torch.where(y != IGN, stats["target_logit"] - stats["lse"], 0.0), None
-
-        return quack_log_probs
+            return ce
+        return lambda h, w, y: (log_probs(h, w, y), None)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def _liger():
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as lfce
+
+    return (lambda h, w, y: lfce(h, w, y, ignore_index=IGN),
+            lambda h, w, y: -lfce(h, w, y, ignore_index=IGN, reduction="none"))
+
+
+def _cce():
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    return (lambda h, w, y: cce(h, w, y, ignore_index=IGN),
+            lambda h, w, y: -cce(h, w, y, ignore_index=IGN, reduction="none"))
+
+
+def _quack():
+    from quack.epilogue.library import lse_target_epi
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce
+
+    def log_probs(h, w, y):
+        # the GEMM's epilogue keeps each row's log-sum-exp and its label's fp32 logit
+        stats = lse_target_epi(h, w.mT, store_d=False, target=y, tuned=False)
+        return torch.where(y != IGN, stats["target_logit"] - stats["lse"], 0.0)
+
+    return lambda h, w, y: qlce(h, w, y, ignore_index=IGN), log_probs
+
+
+#: Peers without an entropy output: ``loader() -> (ce(h, w, y), log_probs(h, w, y))``, imported
+#: when built (a peer that is not installed is reported, not fatal).
+_PEERS = {"liger": _liger, "cce": _cce, "quack": _quack}
 
 
 class _with_head_gemm:

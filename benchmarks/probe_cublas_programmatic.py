@@ -93,10 +93,8 @@ def _kernel_name(lib, node):
     return name.value.decode()
 
 
-def make_edges_programmatic(graph, consumer) -> int:
-    """Turns the default kernel-to-kernel edges of a captured, not yet instantiated ``graph`` whose
-    consumer's name satisfies ``consumer`` into programmatic ones (what stream capture records for a
-    programmatic launch); returns how many."""
+def _graph_edges(graph):
+    """``(libcuda, graph handle, sources, destinations, edge data)`` of a captured ``graph``'s edges."""
     lib = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_void_p(graph.raw_cuda_graph())
     count = ctypes.c_size_t(0)
@@ -104,6 +102,15 @@ def make_edges_programmatic(graph, consumer) -> int:
     n = count.value
     src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
     _check(lib.cuGraphGetEdges_v2(handle, src, dst, data, ctypes.byref(count)), "cuGraphGetEdges")
+    return lib, handle, src, dst, data
+
+
+def make_edges_programmatic(graph, consumer) -> int:
+    """Turns the default kernel-to-kernel edges of a captured, not yet instantiated ``graph`` whose
+    consumer's name satisfies ``consumer`` into programmatic ones (what stream capture records for a
+    programmatic launch); returns how many."""
+    lib, handle, src, dst, data = _graph_edges(graph)
+    n = len(data)
     chosen = [i for i in range(n) if data[i].type == 0 and _kernel_name(lib, src[i]) is not None
               and consumer(_kernel_name(lib, dst[i]) or "")]
     for i in chosen:
@@ -118,14 +125,7 @@ def make_edges_programmatic(graph, consumer) -> int:
 
 def programmatic_edges(graph) -> int:
     """How many edges of a captured ``graph`` are programmatic (as a programmatic launch records them)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    handle = ctypes.c_void_p(graph.raw_cuda_graph())
-    count = ctypes.c_size_t(0)
-    _check(lib.cuGraphGetEdges_v2(handle, None, None, None, ctypes.byref(count)), "cuGraphGetEdges")
-    n = count.value
-    src, dst, data = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)(), (_EdgeData * n)()
-    _check(lib.cuGraphGetEdges_v2(handle, src, dst, data, ctypes.byref(count)), "cuGraphGetEdges")
-    return sum(data[i].type == 1 for i in range(n))
+    return sum(edge.type == 1 for edge in _graph_edges(graph)[4])
 
 
 def cublaslt_version():
