@@ -4,9 +4,9 @@ The reference and old-policy passes of GRPO, and a loss-only evaluation, need ea
 its label and nothing else: no entropy, no gradient. QuACK (``quack-kernels``, an optional
 dependency) runs the head GEMM as a warp-specialised Hopper kernel whose epilogue folds every
 fp32 output tile into the row's online log-sum-exp and picks out the label's logit, so the logits
-are never stored. On an H200 that forward takes 0.88-0.96 of one cuBLAS GEMM's time (the GEMM
-writes its bf16 output; this one does not), against 1.15-1.55 for the cuBLAS + Triton-epilogue
-path, and its log-probs come from fp32 logits (docs/performance.md).
+are never stored. On an H200 that forward takes 0.95-1.03 of one cuBLAS GEMM's time at the 7B, 8B,
+0.5B and 32768-row heads (the GEMM writes its bf16 output; this one does not), against 1.10-1.64
+for the cuBLAS + Triton-epilogue path, and its log-probs come from fp32 logits (docs/performance.md).
 
 ``LOGITLESS_HEAD_GEMM`` chooses it: ``quack`` asks for it (an error if ``quack-kernels`` is not
 installed), ``auto`` takes it where it applies and QuACK is installed. It applies to bf16 inputs on
@@ -15,6 +15,7 @@ an sm_90 GPU with ``H`` a multiple of 8 (the GEMM's tensor-memory-access rows), 
 the ``impl="triton"`` path as before.
 """
 
+import functools
 import importlib.util
 
 import torch
@@ -26,8 +27,9 @@ __all__ = ["quack_installed", "forward_applies", "log_probs", "ROWS_PER_LAUNCH"]
 ROWS_PER_LAUNCH = 8192
 
 
+@functools.cache
 def quack_installed() -> bool:
-    """Whether ``quack-kernels`` can be imported (its module found; not imported here)."""
+    """Whether ``quack-kernels`` can be imported (its module found once per process; not imported)."""
     return importlib.util.find_spec("quack") is not None
 
 
