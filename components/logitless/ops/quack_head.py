@@ -4,7 +4,7 @@ The reference and old-policy passes of GRPO, and a loss-only evaluation, need ea
 its label and nothing else: no entropy, no gradient. QuACK (``quack-kernels``, an optional
 dependency) runs the head GEMM as a warp-specialised Hopper kernel whose epilogue folds every
 fp32 output tile into the row's online log-sum-exp and picks out the label's logit, so the logits
-are never stored. On an H200 that forward takes 0.95-1.03 of one cuBLAS GEMM's time at the 7B, 8B,
+are never stored. On an H200 that forward takes 0.92-1.01 of one cuBLAS GEMM's time at the 7B, 8B,
 0.5B and 32768-row heads (the GEMM writes its bf16 output; this one does not), against 1.10-1.64
 for the cuBLAS + Triton-epilogue path, and its log-probs come from fp32 logits (docs/performance.md).
 
@@ -87,6 +87,6 @@ def log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         rows = slice(start, start + ROWS_PER_LAUNCH)
         stats = _quack_epilogues.label_log_prob_stats(hidden[rows], weight, labels[rows], 1.0 / float(temperature))
         # a row whose label is out of range (ignored) has no label logit written: discard it
-        torch.where(labels[rows] != ignore_index, stats["target_logit"] - stats["lse"], 0.0, out=out[rows])
+        out[rows] = torch.where(labels[rows] != ignore_index, stats["target_logit"] - stats["lse"], 0.0)
     return out
 
