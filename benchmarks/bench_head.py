@@ -18,7 +18,9 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   forced), ``triton_hgemm`` / ``triton_fused_hgemm`` (``triton`` /
   ``triton_fused`` with ``LOGITLESS_HEAD_GEMM=triton``: the Triton GEMMs with their epilogues
   inside, forward and backward), ``triton_quack`` (``triton`` with ``LOGITLESS_HEAD_GEMM=quack``:
-  ``ref`` on QuACK's GEMM, the other modes as ``triton``), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
+  the forwards on QuACK's GEMMs where they apply, an error without QuACK), ``triton_cublas``
+  (``triton`` with ``LOGITLESS_HEAD_GEMM=cublas``: cuBLAS GEMMs and Triton epilogues only; ``triton``
+  is ``auto``, the same where QuACK is not installed), ``triton_unfused`` (``obj`` only: ``linear_log_probs`` then the
   objective in torch, forward + recomputing backward), ``liger`` (Liger-Kernel fused linear CE),
   ``cce`` (Cut Cross-Entropy), ``quack`` (QuACK's chunked linear cross-entropy in its default: CuTe-DSL
   GEMMs, its scaled-exp pipeline where it applies, fp32 dW; ``fwd``: its loss-only GEMM whose
@@ -78,7 +80,7 @@ SHAPES = {  # name: (N tokens, H hidden, V vocab)
     "sft05b": (65536, 896, 151936),  # the 0.5B SFT step's 8 x 8192 tokens
 }
 IMPLS = ["torch", "compile", "tt_chunked", "tt_compiled", "chunked", "triton", "triton_fused", "triton_twopass",
-         "triton_hgemm", "triton_fused_hgemm", "triton_quack", "triton_unfused", "liger", "cce", "quack"]
+         "triton_hgemm", "triton_fused_hgemm", "triton_quack", "triton_cublas", "triton_unfused", "liger", "cce", "quack"]
 MODES = ["ce", "logp", "fwd", "ref", "obj"]
 IGN = -100
 # The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
@@ -190,6 +192,11 @@ def _obj_of(logp_ent):
     return f
 
 
+#: ``triton`` / ``triton_fused`` under another ``LOGITLESS_HEAD_GEMM``.
+_HEAD_GEMM_IMPLS = {"triton_hgemm": "triton", "triton_fused_hgemm": "triton", "triton_quack": "quack",
+                    "triton_cublas": "cublas"}
+
+
 def build(impl, mode):
     """Returns ``f(h, w, y) -> loss`` (ce), ``(logp, ent_or_None)`` (logp, fwd),
     ``f(h, w, y, adv, old) -> loss`` (obj), or a str why not."""
@@ -197,12 +204,10 @@ def build(impl, mode):
 
     if mode == "obj":
         _grpo()  # constructed outside any torch.compile trace
-    if impl.endswith("_hgemm") or impl == "triton_quack":
-        if impl not in ("triton_hgemm", "triton_fused_hgemm", "triton_quack"):
-            raise ValueError(f"unknown impl {impl!r}")
+    if impl in _HEAD_GEMM_IMPLS:
         f = build(impl.rsplit("_", 1)[0], mode)
         if not isinstance(f, str):
-            f = _with_head_gemm(f, "quack" if impl == "triton_quack" else "triton")
+            f = _with_head_gemm(f, _HEAD_GEMM_IMPLS[impl])
         return f
     if impl in ("torch", "compile"):
         f = {"ce": _plain_ce, "obj": _obj_of(_plain_logp_ent), "ref": _plain_logp}.get(mode, _plain_logp_ent)

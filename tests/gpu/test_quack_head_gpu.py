@@ -1,8 +1,10 @@
 """``LOGITLESS_HEAD_GEMM=quack`` on a Hopper GPU at real shapes (skipped without CUDA, sm_90 or QuACK).
 
-Forward-only log-probs and loss (no entropy, no gradient) through QuACK's GEMM with the statistics in
-its epilogue, against float64 computed in row chunks, within 1.5x plain PyTorch's error (bf16
-logits, fp32 softmax) on the same inputs; a spy checks that QuACK's path ran.
+Forward-only log-probs and loss (no entropy, no gradient) through QuACK's GEMM with the log-sum-exp in
+its epilogue, and log-probs + entropy (with and without gradients) through the per-tile statistics
+epilogue, against float64 computed in row chunks, within 1.5x plain PyTorch's error (bf16 logits,
+fp32 softmax) on the same inputs, or within 1.05x the cuBLAS path's gradient error; spies check
+which path ran.
 """
 
 import pytest
@@ -86,7 +88,8 @@ def test_forward_log_probs_and_loss_within_plain_pytorch(monkeypatch, quack_call
     assert abs(loss.item() - want.item()) <= 1.5 * abs(-plain[valid].mean().item() - want.item()) + 1e-6 * abs(want.item())
 
 
-def test_entropy_or_gradients_keep_the_triton_path(quack_calls):
+def test_entropy_or_gradients_leave_the_log_prob_epilogue(quack_calls):
+    """Calls that need entropy or gradients do not take the log-sum-exp-only epilogue."""
     import logitless
 
     hidden, weight, labels = _inputs(512, 896, 151936)
@@ -97,3 +100,106 @@ def test_entropy_or_gradients_keep_the_triton_path(quack_calls):
     logp.sum().backward()
     assert quack_calls == []
     assert hidden.grad is not None
+
+
+@pytest.fixture
+def outputs_calls(monkeypatch):
+    calls = []
+    real = quack_head.forward_outputs
+
+    def spy(*args, **kwargs):
+        calls.append(args[6])  # for_backward
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quack_head, "forward_outputs", spy)
+    monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "quack")
+    return calls
+
+
+def _log_probs_entropy(hidden, weight, labels, temperature, dtype, rows=1024):
+    """Plain PyTorch's log-probs and entropy (logits in ``dtype``, softmax in fp32; float64 for
+    float64), row chunk by row chunk; 0 at ignored rows."""
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], rows):
+        y = labels[s:s + rows]
+        logits = (hidden[s:s + rows].to(dtype) @ weight.to(dtype).T).to(
+            torch.float64 if dtype == torch.float64 else torch.float32) / temperature
+        logp_all = torch.log_softmax(logits, -1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        logp = logp_all.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+        logps.append(torch.where(y != IGN, logp, 0.0).double())
+        ents.append(torch.where(y != IGN, ent, 0.0).double())
+    return torch.cat(logps), torch.cat(ents)
+
+
+@pytest.mark.parametrize("n,h,v,temperature", [
+    (4096, 3584, 152064, 1.0), (4096, 3584, 152064, 0.7), (8192, 896, 151936, 1.0), (1000, 4096, 128256, 1.3),
+    (20000, 896, 151936, 1.0)])
+def test_forward_with_entropy_within_plain_pytorch(outputs_calls, n, h, v, temperature):
+    """No-grad log-probs + entropy on the statistics epilogue (fp32 logits), several row launches at
+    20000 rows, against float64 within 1.5x plain PyTorch's error."""
+    import logitless
+
+    hidden, weight, labels = _inputs(n, h, v)
+    exact_lp, exact_ent = _log_probs_entropy(hidden, weight, labels, temperature, torch.float64)
+    plain_lp, plain_ent = _log_probs_entropy(hidden, weight, labels, temperature, torch.bfloat16)
+    with torch.no_grad():
+        logp, ent = logitless.linear_log_probs(hidden, weight, labels, temperature=temperature,
+                                               return_entropy=True, impl="triton")
+    assert outputs_calls == [False]
+    assert torch.all(logp[labels == IGN] == 0) and torch.all(ent[labels == IGN] == 0)
+    assert _rel(logp, exact_lp) <= 1.5 * _rel(plain_lp, exact_lp) + 1e-7, (_rel(logp, exact_lp), _rel(plain_lp, exact_lp))
+    assert _rel(ent, exact_ent) <= 1.5 * _rel(plain_ent, exact_ent) + 1e-7, (_rel(ent, exact_ent), _rel(plain_ent, exact_ent))
+
+
+@pytest.mark.parametrize("n,h,v,temperature", [(2048, 3584, 152064, 1.0), (2048, 896, 151936, 0.7),
+                                               (1024, 4096, 128256, 1.0)])
+def test_gradients_after_the_quack_forward_match_the_cublas_path(monkeypatch, n, h, v, temperature):
+    """Log-probs + entropy with gradients: the forward on QuACK (bf16-rounded statistics) gives the
+    cuBLAS path's log-probs, entropy and LSE, and dh, dW within 1.05x its error against float64."""
+    import logitless
+
+    calls = []
+    real = quack_head.forward_outputs
+    monkeypatch.setattr(quack_head, "forward_outputs", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+    hidden, weight, labels = _inputs(n, h, v)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+
+    def run(mode):
+        monkeypatch.setenv("LOGITLESS_HEAD_GEMM", mode)
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = logitless.linear_log_probs(hh, ww, labels, temperature=temperature, return_entropy=True,
+                                               impl="triton")
+        ((logp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return logp.detach(), ent.detach(), hh.grad.double(), ww.grad.double()
+
+    lp_q, ent_q, dh_q, dw_q = run("quack")
+    assert calls == [True]
+    lp_c, ent_c, dh_c, dw_c = run("cublas")
+    assert calls == [True]
+    torch.testing.assert_close(lp_q, lp_c, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent_q, ent_c, rtol=0, atol=2e-5)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp64, ent64 = [], []
+    for s in range(0, n, 512):  # float64 logits in row chunks
+        z = (h64[s:s + 512] @ w64.T) / temperature
+        lsm = torch.log_softmax(z, -1)
+        y = labels[s:s + 512]
+        lp = torch.where(y != IGN, lsm.gather(1, y.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        en = torch.where(y != IGN, -(lsm.exp() * lsm).sum(-1), 0.0)
+        ((lp * g_lp[s:s + 512].double()).sum() + (en * g_ent[s:s + 512].double()).sum()).backward()
+    for got, cublas, exact in ((dh_q, dh_c, h64.grad), (dw_q, dw_c, w64.grad)):
+        err, err_c = _rel(got, exact), _rel(cublas, exact)
+        assert err <= 1.05 * err_c + 1e-7, (err, err_c)
+
+
+def test_a_vocabulary_no_tile_divides_keeps_the_triton_path(outputs_calls):
+    import logitless
+
+    hidden, weight, labels = _inputs(512, 1024, 32001)
+    exact_lp, exact_ent = _log_probs_entropy(hidden, weight, labels, 1.0, torch.float64)
+    with torch.no_grad():
+        logp, ent = logitless.linear_log_probs(hidden, weight, labels, return_entropy=True, impl="triton")
+    assert outputs_calls == []
+    assert _rel(ent, exact_ent) < 1e-2

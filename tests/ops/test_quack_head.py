@@ -94,3 +94,132 @@ def test_routing_rule_on_a_hopper_gpu(monkeypatch, mode, installed, want):
         assert not quack_head.forward_applies(as_cuda(h16.float()), as_cuda(w16.float()), mode)  # fp32
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
         assert not quack_head.forward_applies(h16, w16, mode)  # not sm_90
+
+
+@pytest.mark.parametrize("vocab,want", [(152064, 192), (128256, 192), (151936, 128), (32000, 128),
+                                        (256000, 128), (32001, 0), (50257, 0)])
+def test_stats_tile_n_is_the_first_choice_that_divides_the_vocabulary(vocab, want):
+    """Qwen2.5-7B, Llama-3, Qwen2.5-0.5B, Llama-2, Gemma, and two vocabularies no tile divides."""
+    assert quack_head.stats_tile_n(vocab) == want
+    if want:
+        assert vocab % want == 0
+        assert all(vocab % t for t in quack_head.TILE_N_CHOICES[:quack_head.TILE_N_CHOICES.index(want)])
+
+
+def test_outputs_apply_needs_a_dividing_tile(monkeypatch):
+    monkeypatch.setattr(quack_head, "forward_applies", lambda hidden, weight, mode: True)
+    assert quack_head.outputs_apply(torch.zeros(4, 8), torch.zeros(384, 8), "quack")
+    assert not quack_head.outputs_apply(torch.zeros(4, 8), torch.zeros(385, 8), "quack")
+
+
+def _emulated_epilogue(hidden, weight, labels, log2e_over_t, *, round_logits, tile_n, tile_max, sum_exp,
+                       sum_exp_x, target_acc):
+    """What QuACK's statistics epilogue writes (``_quack_epilogues.tile_entropy_stats``), in torch."""
+    raw = hidden.float() @ weight.float().T
+    acc = raw.bfloat16().float() if round_logits else raw
+    rows, vocab = acc.shape
+    tiles = acc.view(rows, vocab // tile_n, tile_n)
+    top = raw.view(rows, vocab // tile_n, tile_n).amax(-1)  # the prepass sees the raw accumulator
+    x = (tiles - top[..., None]) * log2e_over_t
+    e = torch.exp2(x)
+    tile_max.copy_(top)
+    sum_exp.copy_(e.sum(-1))
+    sum_exp_x.copy_((e * x).sum(-1))
+    hit = (labels >= 0) & (labels < vocab)
+    target_acc[hit] = acc[hit, labels[hit]]
+
+
+@pytest.fixture
+def emulated_quack(monkeypatch):
+    """``forward_outputs`` with the emulated epilogue in place of QuACK's kernel (CPU)."""
+    import sys
+    import types
+
+    fake = types.ModuleType("logitless.ops._quack_epilogues")
+    fake.tile_entropy_stats = _emulated_epilogue
+    monkeypatch.setitem(sys.modules, "logitless.ops._quack_epilogues", fake)
+    import logitless.ops
+
+    monkeypatch.setattr(logitless.ops, "_quack_epilogues", fake, raising=False)
+
+
+def _float64_outputs(acc, labels, temperature):
+    z = acc.double() / temperature
+    lse = torch.logsumexp(z, -1)
+    p = torch.softmax(z, -1)
+    ent = lse - (p * z).sum(-1)
+    logp = z.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) - lse
+    valid = labels != IGN
+    return torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0), lse
+
+
+@pytest.mark.parametrize("vocab,compact,for_backward", [(384, False, False), (384, True, True), (640, True, False),
+                                                        (640, False, True)])
+def test_forward_outputs_fold_the_tile_statistics_into_float64s_values(emulated_quack, vocab, compact,
+                                                                       for_backward):
+    """Row blocks (a budget of 300 rows: 3 launches over 700 rows), compacted rows or all, fp32 or bf16-rounded
+    logits: log-probs, entropy and LSE of the logits the epilogue saw, against float64, at a temperature
+    and with the row's max in a different tile from row to row."""
+    from logitless.ops.triton import head
+
+    g = torch.Generator().manual_seed(vocab)
+    n, hid, temperature = 700, 16, 0.7
+    hidden = torch.randn(n, hid, generator=g).bfloat16()
+    weight = (torch.randn(vocab, hid, generator=g) * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = IGN
+    idx = torch.nonzero(labels != IGN).squeeze(1) if compact else None
+    tile_n = quack_head.stats_tile_n(vocab)
+    row_bytes = 3 * (vocab // tile_n) * 4 + 4 + (hid * 2 if compact else 0)
+    logp, ent, lse = head.row_outputs(hidden, n)
+    quack_head.forward_outputs(hidden, weight, labels, idx, 1.0 / temperature, IGN, for_backward, logp, ent, lse,
+                               budget=300 * row_bytes)
+    acc = hidden.double() @ weight.double().T
+    if for_backward:
+        acc = (hidden.float() @ weight.float().T).bfloat16().double()
+    want_logp, want_ent, want_lse = _float64_outputs(acc, labels, temperature)
+    torch.testing.assert_close(logp.double(), want_logp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double(), want_ent, rtol=0, atol=2e-5)
+    rows = torch.arange(n) if idx is None else idx
+    torch.testing.assert_close(lse[rows], want_lse[rows], rtol=0, atol=2e-5)
+    if idx is not None:
+        assert (lse[labels == IGN] == 0).all()
+
+
+def test_gradients_through_the_quack_forward_equal_float64s(monkeypatch, emulated_quack):
+    """``impl="triton"`` with QuACK's forward (emulated) and the cuBLAS-path backward: the backward gets
+    the LSE of the bf16 logits it recomputes, so dh, dW of log-probs + entropy match float64 as the
+    cuBLAS-only path does."""
+    monkeypatch.setattr(quack_head, "quack_installed", lambda: True)
+    monkeypatch.setattr(quack_head, "outputs_apply", lambda hidden, weight, mode: True)
+    g = torch.Generator().manual_seed(1)
+    n, hid, vocab, temperature = 96, 16, 384, 0.8
+    hidden = torch.randn(n, hid, generator=g).bfloat16()
+    weight = (torch.randn(vocab, hid, generator=g) * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[::5] = IGN
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def grads(impl_mode):
+        monkeypatch.setenv("LOGITLESS_HEAD_GEMM", impl_mode)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = logitless.linear_log_probs(h, w, labels, temperature=temperature, return_entropy=True,
+                                               impl="triton")
+        ((logp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return logp.detach(), ent.detach(), h.grad.double(), w.grad.double()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want_lp, want_ent = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
+    ((want_lp * g_lp.double()).sum() + (want_ent * g_ent.double()).sum()).backward()
+    calls = []
+    real = quack_head.forward_outputs
+    monkeypatch.setattr(quack_head, "forward_outputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logp, ent, dh, dw = grads("quack")
+    assert calls, "the forward did not go through forward_outputs"
+    monkeypatch.setattr(quack_head, "outputs_apply", lambda hidden, weight, mode: False)
+    logp_cublas, ent_cublas, dh_cublas, dw_cublas = grads("cublas")
+    torch.testing.assert_close(logp, logp_cublas, rtol=0, atol=1e-5)  # the same bf16 logits
+    torch.testing.assert_close(ent, ent_cublas, rtol=0, atol=1e-5)
+    for got, ref_path, exact in ((dh, dh_cublas, h64.grad), (dw, dw_cublas, w64.grad)):
+        err, err_cublas = (got - exact).norm() / exact.norm(), (ref_path - exact).norm() / exact.norm()
+        assert err <= 1.05 * err_cublas + 1e-6, (err.item(), err_cublas.item())

@@ -1,30 +1,46 @@
-"""Forward-only log-probs with the row statistics in a CuTe-DSL GEMM's epilogue (QuACK).
+"""The head's forward with the row statistics in a CuTe-DSL GEMM's epilogue (QuACK).
 
-The reference and old-policy passes of GRPO, and a loss-only evaluation, need each row's log-prob of
-its label and nothing else: no entropy, no gradient. QuACK (``quack-kernels``, an optional
-dependency) runs the head GEMM as a warp-specialised Hopper kernel whose epilogue folds every
-fp32 output tile into the row's online log-sum-exp and picks out the label's logit, so the logits
-are never stored. On an H200 that forward takes 0.92-1.01 of one cuBLAS GEMM's time at the 7B, 8B,
-0.5B and 32768-row heads (the GEMM writes its bf16 output; this one does not), against 1.10-1.64
-for the cuBLAS + Triton-epilogue path, and its log-probs come from fp32 logits (docs/performance.md).
+QuACK (``quack-kernels``, an optional dependency) runs the head GEMM as a warp-specialised Hopper
+kernel whose epilogue reduces every fp32 output tile in registers, so the logits are never stored.
+Two forwards use it:
+
+* :func:`log_probs`: log-probs alone, no entropy, no gradient (GRPO's reference and old-policy
+  passes, a loss-only evaluation): the epilogue folds each tile into the row's online log-sum-exp
+  and picks out the label's logit. On an H200 0.92-1.01 of one cuBLAS GEMM's time at the 7B, 8B,
+  0.5B and 32768-row heads (the GEMM writes its bf16 output; this one does not), against 1.10-1.64
+  for the cuBLAS + Triton-epilogue path (docs/performance.md).
+* :func:`forward_outputs`: log-probs, entropy and the float64 log-sum-exp of ``impl="triton"``'s
+  forward (:func:`logitless.ops.triton.head.head_forward`), with or without a backward to follow:
+  per (row, N tile) the tile's max (a prepass over the accumulator), ``sum 2^x`` and ``sum 2^x x``,
+  folded per row by a Triton kernel. When a backward follows, the accumulator is rounded to bf16
+  first: the backward recomputes bf16 logits with cuBLAS, and the log-sum-exp must be theirs.
 
 ``LOGITLESS_HEAD_GEMM`` chooses it: ``quack`` asks for it (an error if ``quack-kernels`` is not
 installed), ``auto`` takes it where it applies and QuACK is installed. It applies to bf16 inputs on
 an sm_90 GPU with ``H`` a multiple of 8 (the GEMM's tensor-memory-access rows), outside
-``torch.compile`` tracing, for calls that need neither entropy nor gradients; every other call runs
-the ``impl="triton"`` path as before.
+``torch.compile`` tracing, and for :func:`forward_outputs` a vocabulary that one of the epilogue's
+N tiles divides (:func:`stats_tile_n`); every other call runs the cuBLAS + Triton path as before.
 """
 
 import functools
 import importlib.util
+from typing import Optional
 
 import torch
 
-__all__ = ["quack_installed", "forward_applies", "log_probs", "ROWS_PER_LAUNCH"]
+__all__ = ["quack_installed", "forward_applies", "outputs_apply", "stats_tile_n", "log_probs", "forward_outputs",
+           "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
 
 #: Rows per GEMM launch: the epilogue's per-(row, tile) log-sum-exp partials of 8192 rows take about
 #: 0.05 GiB at a 152k vocabulary (0.19 GiB at 32768 rows in one launch), within the forward's 0.1 GiB.
 ROWS_PER_LAUNCH = 8192
+
+#: N tiles of :func:`forward_outputs`'s epilogue in order of preference (192: QuACK's sm_90 default);
+#: the tile must divide the vocabulary (its max prepass and its sums would see the zeros of a ragged
+#: tile's columns past ``V``).
+TILE_N_CHOICES = (192, 128, 256)
+
+_LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -90,3 +106,78 @@ def log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         out[rows] = torch.where(labels[rows] != ignore_index, stats["target_logit"] - stats["lse"], 0.0)
     return out
 
+
+
+def outputs_apply(hidden: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
+    """Whether :func:`forward_outputs` runs this forward: :func:`forward_applies` and an N tile
+    that divides the vocabulary (:func:`stats_tile_n`).
+
+    Example:
+        >>> outputs_apply(torch.randn(4, 8), torch.randn(11, 8), "quack")  # CPU tensors
+        False
+    """
+    return forward_applies(hidden, weight, mode) and stats_tile_n(weight.shape[0]) > 0
+
+
+def stats_tile_n(vocab: int) -> int:
+    """The N tile of :func:`forward_outputs` at this vocabulary: the first of :data:`TILE_N_CHOICES`
+    that divides it, 0 when none does (the call then runs the cuBLAS + Triton path).
+
+    Example:
+        >>> stats_tile_n(152064), stats_tile_n(151936), stats_tile_n(32001)
+        (192, 128, 0)
+    """
+    return next((tile_n for tile_n in TILE_N_CHOICES if vocab % tile_n == 0), 0)
+
+
+def forward_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    idx: Optional[torch.Tensor], inv_t: float, ignore_index: int, for_backward: bool,
+                    logp: torch.Tensor, ent: torch.Tensor, lse: torch.Tensor, budget: int) -> None:
+    """Fill ``logp``, ``ent`` and ``lse`` (as :func:`logitless.ops.triton.head.head_forward` returns
+    them) at the rows ``idx`` (every row when None) from QuACK's GEMM with the statistics epilogue.
+
+    Args:
+        hidden (torch.Tensor): ``(N, H)`` bf16, contiguous, on an sm_90 GPU.
+        weight (torch.Tensor): ``(V, H)`` bf16, contiguous, ``stats_tile_n(V) > 0``.
+        labels (torch.Tensor): ``(N,)`` int64 in ``[0, V)`` or ``ignore_index`` (validated).
+        idx (Optional[torch.Tensor]): int64 indices of the rows to compute (the valid ones).
+        inv_t (float): ``1 / temperature``.
+        ignore_index (int): the ignored label (0 log-prob and entropy; its LSE is still written).
+        for_backward (bool): statistics of the bf16-rounded logits that the backward recomputes;
+            else of the fp32 accumulator.
+        logp, ent (torch.Tensor): ``(N,)`` fp32 outputs; lse: ``(N,)`` float64.
+        budget (int): bytes for the per-(row, tile) statistics and the gathered rows of a launch.
+
+    Example:
+        >>> forward_outputs(h, w, y, None, 1.0, -100, False, logp, ent, lse, 88 << 20)  # doctest: +SKIP
+    """
+    from logitless.ops import _quack_epilogues
+    from logitless.ops.triton import kernels
+
+    rows = hidden.shape[0] if idx is None else idx.numel()
+    vocab, hid = weight.shape
+    tile_n = stats_tile_n(vocab)
+    n_tiles = vocab // tile_n
+    row_bytes = 3 * n_tiles * 4 + 4 + (0 if idx is None else hid * hidden.element_size())
+    # Equal launches of whole 128-row tiles, as many rows each as the budget holds.
+    launches = -(-rows // max(128, budget // row_bytes // 128 * 128))
+    step = min(rows, -(-rows // (launches * 128)) * 128)
+    stats = torch.empty((3, step, n_tiles), dtype=torch.float32, device=hidden.device)
+    acc_y = torch.empty((step,), dtype=torch.float32, device=hidden.device)
+    gathered = None if idx is None else hidden.new_empty((step, hid))
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        m = r1 - r0
+        if idx is None:
+            h_b, y_b = hidden[r0:r1], labels[r0:r1]
+        else:
+            h_b = torch.index_select(hidden, 0, idx[r0:r1], out=gathered[:m])
+            y_b = labels.index_select(0, idx[r0:r1])
+        tile_max, sum_exp, sum_exp_x = stats[0, :m], stats[1, :m], stats[2, :m]
+        _quack_epilogues.tile_entropy_stats(
+            h_b, weight, y_b, _LOG2E * inv_t, round_logits=for_backward, tile_n=tile_n, tile_max=tile_max,
+            sum_exp=sum_exp, sum_exp_x=sum_exp_x, target_acc=acc_y[:m])
+        kernels.finalize_tile_stats_kernel[(m,)](
+            tile_max, sum_exp, sum_exp_x, acc_y, labels, idx if idx is not None else labels, logp, ent, lse,
+            r0, n_tiles, inv_t, ignore_index, HAS_IDX=idx is not None, BLOCK_T=1024, num_warps=4,
+        )

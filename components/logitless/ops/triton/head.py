@@ -64,6 +64,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.ops import quack_head
 from logitless.ops._rows import zero_ignored_rows
 from logitless.ops.triton import gemm_epilogues, kernels
 from logitless.settings import settings
@@ -434,6 +435,8 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
     forward-only call, ``WORKSPACE_BYTES`` when a backward will follow (whose own buffers are that
     large anyway, so the peak does not move; larger GEMM tiles are faster: 1.13 vs 1.16 GEMMs at
     the 7B head, 1.41 vs 1.50 at the 0.5B head, H200, ``benchmarks/sweep_forward_workspace.py``).
+    Where :func:`logitless.ops.quack_head.outputs_apply` holds, QuACK's GEMM computes the same
+    outputs with the statistics in its epilogue instead (no logits tiles).
 
     Args:
         hidden (torch.Tensor): ``(N, H)`` contiguous.
@@ -457,6 +460,10 @@ def _forward(hidden, weight, labels, idx, ignore_index, inv_t, for_backward):
     logp, ent, lse = row_outputs(hidden, n)
     rows = n if idx is None else idx.numel()
     if rows == 0:
+        return logp, ent, lse
+    if quack_head.outputs_apply(hidden, weight, settings.head_gemm):
+        quack_head.forward_outputs(hidden, weight, labels, idx, inv_t, ignore_index, for_backward, logp, ent, lse,
+                                   budget)
         return logp, ent, lse
     state = hidden.new_empty((rows, 3), dtype=torch.float32)
     z_y = hidden.new_zeros((rows,), dtype=torch.float32)

@@ -10,6 +10,8 @@ between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
 * ``merge_slab_kernel`` / ``finalize_state_kernel``: the forward-only path walks V in slabs and
   folds each slab's statistics into a running per-row state (taking them itself when a row of the
   tile is one split), then finalizes it.
+* ``finalize_tile_stats_kernel``: the same outputs from per-(row, N tile) statistics that a GEMM
+  epilogue wrote (QuACK's, ``logitless.ops.quack_head``).
 * ``finalize_kernel``: merges the splits of a row into ``lse = m + log s``,
   ``entropy = log s - t / s`` and ``logp = z[label] - lse`` (0 at ignored rows).
 * ``col_stats_kernel`` / ``dlogits_t_kernel``: the same two passes over a transposed ``(V slab, rows)``
@@ -168,6 +170,56 @@ def finalize_state_kernel(
     tl.store(lse_ptr + orow, lse, mask=ok)
     tl.store(logp_ptr + orow, tl.where(valid, (z_y.to(tl.float64) - lse).to(tl.float32), 0.0), mask=ok)
     tl.store(ent_ptr + orow, tl.where(valid, log_s - t / s, 0.0), mask=ok)
+
+
+@triton.jit
+def finalize_tile_stats_kernel(
+    tmax_ptr, s_ptr, sx_ptr, acc_y_ptr, labels_ptr, idx_ptr, logp_ptr, ent_ptr, lse_ptr,
+    row_offset, n_tiles, inv_t, ignore_index, HAS_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(rows of one launch,)``: per-(row, N tile) statistics of a GEMM epilogue -> lse,
+    entropy, logp at the row's token.
+
+    Tile ``t`` of a row holds its max accumulator ``a_t``, ``s_t = sum 2^x`` and ``w_t = sum 2^x x``
+    with ``x = (acc - a_t) log2(e) / T`` (``logitless.ops._quack_epilogues``); ``acc_y`` is the
+    label's accumulator. With ``a`` the row's max and ``d_t = (a_t - a) / T <= 0``:
+    ``sum exp(z - a/T) = sum_t e^d_t s_t`` and ``sum exp(z - a/T) (z - a/T) = sum_t e^d_t
+    (w_t ln 2 + d_t s_t)``. The LSE ``a/T + log s`` is formed in float64 (see
+    ``head.row_outputs``) with the same fp32 ``1/T`` that the backward multiplies the logits by.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    srow = row + row_offset
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + srow).to(tl.int64)
+    else:
+        orow = srow
+    base = row * n_tiles
+    a_max = tl.max(tl.full((BLOCK_T,), float("-inf"), tl.float32), 0)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        a = tl.load(tmax_ptr + base + offs, mask=offs < n_tiles, other=float("-inf"))
+        a_max = tl.maximum(a_max, tl.max(a, 0))
+    s_row = 0.0
+    t_row = 0.0
+    for t0 in range(0, n_tiles, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        ok = offs < n_tiles
+        a = tl.load(tmax_ptr + base + offs, mask=ok, other=0.0)
+        s = tl.load(s_ptr + base + offs, mask=ok, other=0.0)
+        w = tl.load(sx_ptr + base + offs, mask=ok, other=0.0)
+        d = tl.where(ok, (a - a_max) * inv_t, 0.0)
+        f = tl.where(ok, tl.exp(d), 0.0)
+        s_row += tl.sum(f * s, 0)
+        t_row += tl.sum(f * (w * 0.6931471805599453 + d * s), 0)
+    log_s = tl.log(s_row)
+    inv_t64 = tl.full([], inv_t, tl.float32).to(tl.float64)
+    lse = a_max.to(tl.float64) * inv_t64 + log_s.to(tl.float64)
+    label = tl.load(labels_ptr + orow)
+    valid = label != ignore_index
+    z_y = tl.load(acc_y_ptr + row).to(tl.float64) * inv_t64
+    tl.store(lse_ptr + orow, lse)
+    tl.store(logp_ptr + orow, tl.where(valid, (z_y - lse).to(tl.float32), 0.0))
+    tl.store(ent_ptr + orow, tl.where(valid, log_s - t_row / s_row, 0.0))
 
 
 @triton.jit
