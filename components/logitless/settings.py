@@ -152,7 +152,8 @@ KNOBS: Dict[str, Knob] = {
         "e.g. GRPO's reference and old passes, with the log-sum-exp and the label's logit; the "
         "forward of log-probs + entropy, with or without a backward to follow, with per-tile sums "
         "where a tile of 192, 128 or 256 columns divides V; bf16 on sm_90, H % 8 == 0; needs "
-        "quack-kernels; backward passes and every other call as cublas), 'auto' (quack where it applies and "
+        "quack-kernels; the recompute backward's logits GEMM storing the dlogits where V % 8 == 0 "
+        "and V >= 1024; dh, dW and every other call as cublas), 'auto' (quack where it applies and "
         "quack-kernels is installed, else cublas; triton at no shape, since a committed H200 "
         "measurement says it wins at none). Inputs a tensor descriptor cannot read (H * itemsize "
         "not a multiple of 16 bytes) keep cublas."),

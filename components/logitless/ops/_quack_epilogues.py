@@ -11,7 +11,10 @@ Two epilogues:
   ``sum 2^x * x`` with ``x = (z - max) * log2(e)``, and the label's logit, which
   :func:`logitless.ops.triton.kernels.finalize_tile_stats_kernel` folds into log-probs, entropy and
   the float64 log-sum-exp. The tile max is a prepass over the accumulator (registers on sm_90), so
-  each element takes one exponential and no rescaling.
+  each element takes one exponential and no rescaling;
+* :func:`slab_dlogits`: the backward's recompute of a V slab of logits, which stores the gradient
+  w.r.t. them instead (all but the label's entry, see
+  :func:`logitless.ops.triton.kernels.label_dlogits_kernel`).
 """
 
 import cutlass
@@ -146,3 +149,42 @@ def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     epilogue(hidden, weight.mT, store_d=False, config=_CONFIGS[tile_n], tile_max=tile_n, tile_max_out=tile_max,
              sum_exp=sum_exp, sum_exp_x=sum_exp_x, target=labels, target_acc=target_acc,
              log2e_over_t=log2e_over_t)
+
+
+_SLAB_LABEL = ColVecLoad("slab_label")
+_LOG2E = 1.4426950408889634
+
+
+@gemm_epilogue(
+    ops={name: ColVecLoad(name) for name in ("lse_hi", "lse_lo", "c_lp", "c_ent", "ent")},
+    outs={"label_acc": ColVecSelect("label_acc", idx_op=_SLAB_LABEL)},
+    extra_ops=(_SLAB_LABEL,),
+)
+def _rounded_dlogits(acc, lse_hi, lse_lo, c_lp, c_ent, ent, inv_temperature):
+    """``-p (c_lp + c_ent (log p + entropy))`` of the bf16-rounded logits, ``log p = z - lse`` with the
+    LSE as two fp32; the label's rounded accumulator picked out for its own entry."""
+    a = _bf16(acc)
+    logp = (a * inv_temperature - lse_hi) - lse_lo
+    p = pexp2(logp * _LOG2E)
+    return {"D": -1.0 * p * (c_lp + c_ent * (logp + ent)), "label_acc": a}
+
+
+def slab_dlogits(hidden: torch.Tensor, weight_slab: torch.Tensor, out: torch.Tensor, row_inputs: torch.Tensor,
+                 slab_label: torch.Tensor, label_acc: torch.Tensor, inv_temperature: float) -> None:
+    """Write ``d objective / d logits`` of ``hidden @ weight_slab.T`` into ``out``, but at each row's
+    label, whose logit goes to ``label_acc``.
+
+    Args:
+        hidden (torch.Tensor): ``(M, H)`` bf16.
+        weight_slab (torch.Tensor): ``(W, H)`` bf16, contiguous rows (a V slab of the head).
+        out (torch.Tensor): ``(M, W)`` bf16, contiguous.
+        row_inputs (torch.Tensor): ``(5, M)`` fp32 from ``kernels.slab_row_inputs_kernel``, each row
+            contiguous and 16-byte aligned.
+        slab_label (torch.Tensor): ``(M,)`` int64, the label's column in the slab or -1.
+        label_acc (torch.Tensor): ``(M,)`` fp32 output, written where ``slab_label >= 0``.
+        inv_temperature (float): ``1 / T``.
+    """
+    lse_hi, lse_lo, c_lp, c_ent, ent = row_inputs.unbind(0)
+    _rounded_dlogits(hidden, weight_slab.mT, out={"D": out}, tuned=False, lse_hi=lse_hi, lse_lo=lse_lo, c_lp=c_lp,
+                     c_ent=c_ent, ent=ent, slab_label=slab_label, label_acc=label_acc,
+                     inv_temperature=inv_temperature)

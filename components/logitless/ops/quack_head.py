@@ -13,7 +13,10 @@ Two forwards use it:
   forward (:func:`logitless.ops.triton.head.head_forward`), with or without a backward to follow:
   per (row, N tile) the tile's max (a prepass over the accumulator), ``sum 2^x`` and ``sum 2^x x``,
   folded per row by a Triton kernel. When a backward follows, the accumulator is rounded to bf16
-  first: the backward recomputes bf16 logits with cuBLAS, and the log-sum-exp must be theirs.
+  first: the backward recomputes bf16 logits, and the log-sum-exp must be theirs.
+* :class:`SlabDlogits`: the recompute backward's logits GEMM over a (row block, V slab), which
+  stores the gradient w.r.t. the bf16-rounded logits instead of the logits (the label's entry is
+  written after it, in fp32 before its rounding); dh and dW stay cuBLAS GEMMs.
 
 ``LOGITLESS_HEAD_GEMM`` chooses it: ``quack`` asks for it (an error if ``quack-kernels`` is not
 installed), ``auto`` takes it where it applies and QuACK is installed. It applies to bf16 inputs on
@@ -28,7 +31,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["quack_installed", "forward_applies", "outputs_apply", "stats_tile_n", "log_probs", "forward_outputs",
+__all__ = ["quack_installed", "forward_applies", "outputs_apply", "dlogits_apply", "stats_tile_n", "log_probs",
+           "forward_outputs", "SlabDlogits",
            "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
 
 #: Rows per GEMM launch: the epilogue's per-(row, tile) log-sum-exp partials of 8192 rows take about
@@ -181,3 +185,58 @@ def forward_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             tile_max, sum_exp, sum_exp_x, acc_y, labels, idx if idx is not None else labels, logp, ent, lse,
             r0, n_tiles, inv_t, ignore_index, HAS_IDX=idx is not None, BLOCK_T=1024, num_warps=4,
         )
+
+
+def dlogits_apply(hidden: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
+    """Whether the recompute backward's logits GEMMs run on QuACK (:class:`SlabDlogits`):
+    :func:`forward_applies`, ``V % 8 == 0`` (the bf16 dlogits slab's rows start 16-byte aligned) and
+    ``V >= 1024`` (below, a slab is a few of the GEMM's tiles: nothing to gain).
+
+    Example:
+        >>> dlogits_apply(torch.randn(4, 8), torch.randn(1024, 8), "quack")  # CPU tensors
+        False
+    """
+    return forward_applies(hidden, weight, mode) and weight.shape[0] % 8 == 0 and weight.shape[0] >= 1024
+
+
+class SlabDlogits:
+    """The dlogits of (row block, V slab) tiles of the recompute backward, on QuACK's GEMM.
+
+    Args:
+        block (int): the most rows of a block.
+        device (torch.device): where the per-row buffers live.
+
+    Example:
+        >>> slabs = SlabDlogits(block, h.device)  # doctest: +SKIP
+        >>> slabs(h_b, w[v0:v1], dl, labels, idx, r0, v0, lse, ent, glp, gent, coef, inv_t, -100)  # doctest: +SKIP
+    """
+
+    def __init__(self, block: int, device: torch.device):
+        # Each row of the per-row inputs starts 16-byte aligned (QuACK's operand rule).
+        self.rows = torch.empty((5, -(-block // 4) * 4), dtype=torch.float32, device=device)
+        self.slab_label = torch.empty((block,), dtype=torch.int64, device=device)
+        self.label_acc = torch.empty((block,), dtype=torch.float32, device=device)
+
+    def __call__(self, h_b, weight_slab, out, labels, idx, r0, v0, lse, ent, glp, gent, coef, inv_t, ignore_index):
+        """Write the dlogits of rows ``r0 ..`` (of ``idx`` when given) and columns ``v0 ..`` into ``out``
+        (``(rows, W)`` bf16): ``c_lp (onehot - p) - c_ent p (log p + entropy)``, with the per-row
+        coefficients of ``kernels.dlogits_kernel`` (``coef``: cross-entropy's scale; else ``glp``,
+        ``gent``: per-row upstreams)."""
+        from logitless.ops import _quack_epilogues
+        from logitless.ops.triton import kernels
+
+        m, width = out.shape
+        rows, slab_label, label_acc = self.rows[:, :m], self.slab_label[:m], self.label_acc[:m]
+        dummy = lse
+        flags = dict(HAS_GENT=gent is not None, HAS_IDX=idx is not None, BLOCK=256, num_warps=4)
+        grid = (-(-m // 256),)
+        kernels.slab_row_inputs_kernel[grid](
+            labels, idx if idx is not None else labels, r0, lse, ent if ent is not None else dummy,
+            glp if glp is not None else dummy, gent if gent is not None else dummy,
+            coef if coef is not None else dummy, rows, rows.stride(0), slab_label, m, v0, width, inv_t, ignore_index,
+            MODE_CE=coef is not None, HAS_GLP=glp is not None, **flags)
+        _quack_epilogues.slab_dlogits(h_b, weight_slab, out, rows, slab_label, label_acc, inv_t)
+        kernels.label_dlogits_kernel[grid](
+            out, out.stride(0), slab_label, label_acc, rows, rows.stride(0), lse, idx if idx is not None else labels, r0,
+            m, inv_t,
+            **flags)

@@ -616,6 +616,8 @@ def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t
         return dh, dw
     block, cols = backward_tiles(rows, vocab, hid, hidden.element_size(), WORKSPACE_BYTES, need_dh)
     in_gemm = gemm_epilogues.use(hidden, weight)
+    quack = None if in_gemm or not quack_head.dlogits_apply(hidden, weight, settings.head_gemm) \
+        else quack_head.SlabDlogits(block, hidden.device)
     # The Triton GEMMs read the dlogits through a tensor descriptor: 16-byte aligned row stride.
     ld = gemm_epilogues.aligned_cols(cols, hidden.element_size()) if in_gemm else cols
     buf = hidden.new_empty((block * ld,))
@@ -630,6 +632,10 @@ def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t
                 logits = buf[: (r1 - r0) * ld].view(r1 - r0, ld)[:, : v1 - v0]
                 gemm_epilogues.logits_dlogits(h_b, weight[v0:v1], logits, labels, idx_b, r0, v0, lse,
                                               ent, glp, gent, coef, inv_t, ignore_index)
+            elif quack is not None:  # QuACK's logits GEMM storing the dlogits
+                logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+                quack(h_b, weight[v0:v1], logits, labels, idx, r0, v0, lse, ent, glp, gent, coef, inv_t,
+                      ignore_index)
             else:
                 logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
                 torch.matmul(h_b, weight[v0:v1].t(), out=logits)

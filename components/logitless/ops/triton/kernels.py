@@ -16,6 +16,9 @@ between, over one chunk of rows of bf16/fp16/fp32 logits at a time:
   ``entropy = log s - t / s`` and ``logp = z[label] - lse`` (0 at ignored rows).
 * ``col_stats_kernel`` / ``dlogits_t_kernel``: the same two passes over a transposed ``(V slab, rows)``
   tile (the one-pass CE's cached first block, kept in dW's buffer), in 2-D blocks.
+* ``slab_row_inputs_kernel`` / ``label_dlogits_kernel``: the per-row inputs of a GEMM epilogue
+  that writes a slab's dlogits (QuACK's, ``logitless.ops.quack_head``) and the label entries it
+  leaves to them.
 * ``dlogits_kernel``: overwrites the logits of a chunk with the gradient w.r.t. the raw logits,
   ``(1/T) * (c_lp (onehot - p) - c_ent p (log p + entropy))``, in the logits' dtype, in place.
 * ``take_columns_kernel`` / ``add_label_rows_kernel``: the one pass's pinned label columns
@@ -280,6 +283,67 @@ def _grad_logits(logp, hit, c_lp, c_ent, ent, valid, HAS_GENT: tl.constexpr):
         g -= c_ent * p * (logp + ent)
     # an ignored row's logits may be NaN (a NaN hidden row): 0 * NaN must not reach dW
     return tl.where(valid, g, 0.0)
+
+
+@triton.jit
+def slab_row_inputs_kernel(
+    labels_ptr, idx_ptr, row_offset, lse_ptr, ent_ptr, glp_ptr, gent_ptr, coef_ptr, rows_ptr, rows_stride,
+    slab_label_ptr, n_rows, col0, width, inv_t, ignore_index,
+    MODE_CE: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, HAS_IDX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(cdiv(rows, BLOCK),)``: the per-row inputs of a dlogits epilogue over one row block and
+    V slab: ``rows_ptr`` ``(5, rows)`` fp32 (row stride ``rows_stride``) = the LSE as two fp32 (``hi + lo``), ``c_lp``, ``c_ent``,
+    entropy (see ``_row_coefficients``); ``slab_label_ptr`` the label's column in the slab, -1 where
+    it is outside the slab or the row is ignored."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + row_offset + r, mask=ok, other=0).to(tl.int64)
+    else:
+        orow = r + row_offset
+    label = tl.load(labels_ptr + orow, mask=ok, other=ignore_index)
+    valid = ok & (label != ignore_index)
+    lse = tl.load(lse_ptr + orow, mask=ok, other=0.0)
+    lse_hi = lse.to(tl.float32)
+    lse_lo = (lse - lse_hi.to(tl.float64)).to(tl.float32)
+    c_lp, c_ent, ent = _row_coefficients(orow, valid, coef_ptr, glp_ptr, gent_ptr, ent_ptr, inv_t,
+                                         MODE_CE, HAS_GLP, HAS_GENT)
+    tl.store(rows_ptr + r, lse_hi, mask=ok)
+    tl.store(rows_ptr + rows_stride + r, lse_lo, mask=ok)
+    tl.store(rows_ptr + 2 * rows_stride + r, c_lp, mask=ok)
+    tl.store(rows_ptr + 3 * rows_stride + r, c_ent, mask=ok)
+    tl.store(rows_ptr + 4 * rows_stride + r, ent, mask=ok)
+    rel = label - col0
+    tl.store(slab_label_ptr + r, tl.where(valid & (rel >= 0) & (rel < width), rel, -1), mask=ok)
+
+
+@triton.jit
+def label_dlogits_kernel(
+    dl_ptr, stride_row, slab_label_ptr, label_acc_ptr, rows_ptr, rows_stride, lse_ptr, idx_ptr, row_offset, n_rows,
+    inv_t,
+    HAS_GENT: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid ``(cdiv(rows, BLOCK),)``: writes each row's dlogit at its label's column in the slab
+    (``slab_row_inputs_kernel``), from the label's logit, in fp32 before the one rounding: a GEMM
+    epilogue that leaves out the one-hot term rounded ``-c_lp p`` already, and adding ``c_lp`` to
+    that would cancel at ``p`` near 1."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    col = tl.load(slab_label_ptr + r, mask=ok, other=-1)
+    hit = ok & (col >= 0)
+    if HAS_IDX:
+        orow = tl.load(idx_ptr + row_offset + r, mask=hit, other=0).to(tl.int64)
+    else:
+        orow = r + row_offset
+    lse = tl.load(lse_ptr + orow, mask=hit, other=0.0)
+    x = tl.load(label_acc_ptr + r, mask=hit, other=0.0)
+    logp = ((x * inv_t).to(tl.float64) - lse).to(tl.float32)
+    c_lp = tl.load(rows_ptr + 2 * rows_stride + r, mask=hit, other=0.0)
+    c_ent = tl.load(rows_ptr + 3 * rows_stride + r, mask=hit, other=0.0)
+    ent = tl.load(rows_ptr + 4 * rows_stride + r, mask=hit, other=0.0)
+    g = _grad_logits(logp, hit, c_lp, c_ent, ent, hit, HAS_GENT)
+    tl.store(dl_ptr + r * stride_row + col, g.to(dl_ptr.dtype.element_ty), mask=hit)
 
 
 @triton.jit
