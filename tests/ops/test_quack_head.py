@@ -112,9 +112,15 @@ def test_outputs_apply_needs_a_dividing_tile(monkeypatch):
     assert not quack_head.outputs_apply(torch.zeros(4, 8), torch.zeros(385, 8), "quack")
 
 
+def _assert_aligned(*tensors):
+    assert all(t.data_ptr() % 16 == 0 for t in tensors), [t.data_ptr() % 16 for t in tensors]
+
+
 def _emulated_epilogue(hidden, weight, labels, log2e_over_t, *, round_logits, tile_n, tile_max, sum_exp,
                        sum_exp_x, target_acc):
-    """What QuACK's statistics epilogue writes (``_quack_epilogues.tile_entropy_stats``), in torch."""
+    """What QuACK's statistics epilogue writes (``_quack_epilogues.tile_entropy_stats``), in torch;
+    QuACK refuses operands whose data is not 16-byte aligned."""
+    _assert_aligned(hidden, weight, labels, tile_max, sum_exp, sum_exp_x, target_acc)
     raw = hidden.float() @ weight.float().T
     acc = raw.bfloat16().float() if round_logits else raw
     rows, vocab = acc.shape
@@ -131,6 +137,7 @@ def _emulated_epilogue(hidden, weight, labels, log2e_over_t, *, round_logits, ti
 
 def _emulated_slab_dlogits(hidden, weight_slab, out, row_inputs, slab_label, label_acc, inv_temperature):
     """What QuACK's dlogits epilogue writes (``_quack_epilogues.slab_dlogits``), in torch."""
+    _assert_aligned(hidden, weight_slab, out, *row_inputs, slab_label, label_acc)
     a = (hidden.float() @ weight_slab.float().T).bfloat16().float()
     lse_hi, lse_lo, c_lp, c_ent, ent = (v[:, None] for v in row_inputs)
     logp = (a * inv_temperature - lse_hi) - lse_lo
@@ -165,17 +172,19 @@ def _float64_outputs(acc, labels, temperature):
     return torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0), lse
 
 
-@pytest.mark.parametrize("vocab,compact,for_backward", [(384, False, False), (384, True, True), (640, True, False),
-                                                        (640, False, True)])
+@pytest.mark.parametrize("vocab,compact,for_backward,budget_rows", [
+    (384, False, False, 300), (384, True, True, 300), (640, True, False, 300), (640, False, True, 300),
+    (640, True, False, 2000), (640, False, True, 2000)])
 def test_forward_outputs_fold_the_tile_statistics_into_float64s_values(emulated_quack, vocab, compact,
-                                                                       for_backward):
-    """Row blocks (a budget of 300 rows: 3 launches over 700 rows), compacted rows or all, fp32 or bf16-rounded
-    logits: log-probs, entropy and LSE of the logits the epilogue saw, against float64, at a temperature
-    and with the row's max in a different tile from row to row."""
+                                                                       for_backward, budget_rows):
+    """Row blocks (a budget of 300 rows: 3 launches over 700 rows; of 2000: one launch of every row, an
+    odd count of an odd count of tiles), compacted rows or all, fp32 or bf16-rounded logits: log-probs,
+    entropy and LSE of the logits the epilogue saw, against float64, at a temperature and with the row's
+    max in a different tile from row to row."""
     from logitless.ops.triton import head
 
     g = torch.Generator().manual_seed(vocab)
-    n, hid, temperature = 700, 16, 0.7
+    n, hid, temperature = 701, 16, 0.7
     hidden = torch.randn(n, hid, generator=g).bfloat16()
     weight = (torch.randn(vocab, hid, generator=g) * 2).bfloat16()
     labels = torch.randint(0, vocab, (n,), generator=g)
@@ -185,7 +194,7 @@ def test_forward_outputs_fold_the_tile_statistics_into_float64s_values(emulated_
     row_bytes = 3 * (vocab // tile_n) * 4 + 4 + (hid * 2 if compact else 0)
     logp, ent, lse = head.row_outputs(hidden, n)
     quack_head.forward_outputs(hidden, weight, labels, idx, 1.0 / temperature, IGN, for_backward, logp, ent, lse,
-                               budget=300 * row_bytes)
+                               budget=budget_rows * row_bytes)
     acc = hidden.double() @ weight.double().T
     if for_backward:
         acc = (hidden.float() @ weight.float().T).bfloat16().double()

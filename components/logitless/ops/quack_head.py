@@ -1,8 +1,8 @@
-"""The head's forward with the row statistics in a CuTe-DSL GEMM's epilogue (QuACK).
+"""The head's GEMMs with the softmax work in a CuTe-DSL GEMM's epilogue (QuACK).
 
 QuACK (``quack-kernels``, an optional dependency) runs the head GEMM as a warp-specialised Hopper
 kernel whose epilogue reduces every fp32 output tile in registers, so the logits are never stored.
-Two forwards use it:
+Three GEMMs of the head use it:
 
 * :func:`log_probs`: log-probs alone, no entropy, no gradient (GRPO's reference and old-policy
   passes, a loss-only evaluation): the epilogue folds each tile into the row's online log-sum-exp
@@ -21,8 +21,10 @@ Two forwards use it:
 ``LOGITLESS_HEAD_GEMM`` chooses it: ``quack`` asks for it (an error if ``quack-kernels`` is not
 installed), ``auto`` takes it where it applies and QuACK is installed. It applies to bf16 inputs on
 an sm_90 GPU with ``H`` a multiple of 8 (the GEMM's tensor-memory-access rows), outside
-``torch.compile`` tracing, and for :func:`forward_outputs` a vocabulary that one of the epilogue's
-N tiles divides (:func:`stats_tile_n`); every other call runs the cuBLAS + Triton path as before.
+``torch.compile`` tracing, for :func:`forward_outputs` a vocabulary that one of the epilogue's N
+tiles divides (:func:`stats_tile_n`), for :class:`SlabDlogits` one with ``V % 8 == 0`` and
+``V >= 1024`` (:func:`dlogits_apply`); every other call runs the cuBLAS + Triton path as before.
+Every tensor handed to QuACK starts 16-byte aligned (it refuses others).
 """
 
 import functools
@@ -32,8 +34,7 @@ from typing import Optional
 import torch
 
 __all__ = ["quack_installed", "forward_applies", "outputs_apply", "dlogits_apply", "stats_tile_n", "log_probs",
-           "forward_outputs", "SlabDlogits",
-           "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
+           "forward_outputs", "SlabDlogits", "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
 
 #: Rows per GEMM launch: the epilogue's per-(row, tile) log-sum-exp partials of 8192 rows take about
 #: 0.05 GiB at a 152k vocabulary (0.19 GiB at 32768 rows in one launch), within the forward's 0.1 GiB.
@@ -111,7 +112,6 @@ def log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     return out
 
 
-
 def outputs_apply(hidden: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
     """Whether :func:`forward_outputs` runs this forward: :func:`forward_applies` and an N tile
     that divides the vocabulary (:func:`stats_tile_n`).
@@ -166,7 +166,8 @@ def forward_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     # Equal launches of whole 128-row tiles, as many rows each as the budget holds.
     launches = -(-rows // max(128, budget // row_bytes // 128 * 128))
     step = min(rows, -(-rows // (launches * 128)) * 128)
-    stats = torch.empty((3, step, n_tiles), dtype=torch.float32, device=hidden.device)
+    # Each statistic's block starts 16-byte aligned (QuACK's operand rule): rows rounded up to 4.
+    stats = torch.empty((3, -(-step // 4) * 4, n_tiles), dtype=torch.float32, device=hidden.device)
     acc_y = torch.empty((step,), dtype=torch.float32, device=hidden.device)
     gathered = None if idx is None else hidden.new_empty((step, hid))
     for r0 in range(0, rows, step):
