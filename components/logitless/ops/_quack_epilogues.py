@@ -26,7 +26,7 @@ from quack.epilogue.math import pexp2
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, GroupedColStatsBase, OnlineLSEReduce
 from quack.gemm_config import GemmConfig
 
-from logitless.ops.quack_head import TILE_N_CHOICES
+from logitless.ops.quack_head import _LOG2E, TILE_N_CHOICES
 
 _LABEL = ColVecLoad("target")
 
@@ -152,7 +152,6 @@ def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
 
 
 _SLAB_LABEL = ColVecLoad("slab_label")
-_LOG2E = 1.4426950408889634
 
 
 @gemm_epilogue(

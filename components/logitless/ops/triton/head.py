@@ -632,16 +632,16 @@ def _slab_backward(hidden, weight, labels, idx, lse, ent, glp, gent, coef, inv_t
                 logits = buf[: (r1 - r0) * ld].view(r1 - r0, ld)[:, : v1 - v0]
                 gemm_epilogues.logits_dlogits(h_b, weight[v0:v1], logits, labels, idx_b, r0, v0, lse,
                                               ent, glp, gent, coef, inv_t, ignore_index)
-            elif quack is not None:  # QuACK's logits GEMM storing the dlogits
-                logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                quack(h_b, weight[v0:v1], logits, labels, idx, r0, v0, lse, ent, glp, gent, coef, inv_t,
-                      ignore_index)
             else:
                 logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                torch.matmul(h_b, weight[v0:v1].t(), out=logits)
-                tile = _Tile(*_num_splits(r1 - r0, v1 - v0, hidden.device), None)
-                _dlogits(tile, logits, idx_b, r0, labels, lse, ent, glp, gent, coef, inv_t,
-                         ignore_index, col0=v0)
+                if quack is not None:  # QuACK's logits GEMM storing the dlogits
+                    quack(h_b, weight[v0:v1], logits, labels, idx, r0, v0, lse, ent, glp, gent, coef, inv_t,
+                          ignore_index)
+                else:
+                    torch.matmul(h_b, weight[v0:v1].t(), out=logits)
+                    tile = _Tile(*_num_splits(r1 - r0, v1 - v0, hidden.device), None)
+                    _dlogits(tile, logits, idx_b, r0, labels, lse, ent, glp, gent, coef, inv_t,
+                             ignore_index, col0=v0)
             if need_dh:
                 _acc32(dh32[: r1 - r0], logits, weight[v0:v1], first=v0 == 0)
             if need_dw:
