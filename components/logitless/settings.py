@@ -153,7 +153,10 @@ KNOBS: Dict[str, Knob] = {
         "forward of log-probs + entropy, with or without a backward to follow, with per-tile sums "
         "where a tile of 192, 128 or 256 columns divides V; bf16 on sm_90, H % 8 == 0; needs "
         "quack-kernels; the recompute backward's logits GEMM storing the dlogits where V % 8 == 0 "
-        "and V >= 1024; dh, dW and every other call as cublas), 'auto' (quack where it applies and "
+        "and V >= 1024; the one pass of cross-entropy and of the token objective with the chunks' "
+        "logits GEMM storing the logits and their per-tile sums and the chunks' dW GEMMs adding "
+        "through the store, where the forward's tile divides V; dh and every other call as "
+        "cublas), 'auto' (quack where it applies and "
         "quack-kernels is installed, else cublas; triton at no shape, since a committed H200 "
         "measurement says it wins at none). Inputs a tensor descriptor cannot read (H * itemsize "
         "not a multiple of 16 bytes) keep cublas."),

@@ -207,3 +207,56 @@ def test_a_vocabulary_no_tile_divides_keeps_the_triton_path(outputs_calls):
         logp, ent = logitless.linear_log_probs(hidden, weight, labels, return_entropy=True, impl="triton")
     assert outputs_calls == []
     assert _rel(ent, exact_ent) < 1e-2
+
+
+def _ce_float64(hidden, weight, labels, rows=512):
+    """Mean cross-entropy of float64 logits and its gradients, row chunk by row chunk."""
+    h64, w64 = hidden.double(), weight.double()
+    valid = labels != IGN
+    count = valid.sum().double()
+    loss, dh, dw = 0.0, torch.zeros_like(h64), torch.zeros_like(w64)
+    for s in range(0, hidden.shape[0], rows):
+        y, ok = labels[s:s + rows], valid[s:s + rows]
+        lsm = torch.log_softmax(h64[s:s + rows] @ w64.T, -1)
+        loss = loss - lsm.gather(1, y.clamp(min=0)[:, None]).squeeze(1)[ok].sum()
+        d = lsm.exp()
+        d[torch.arange(y.numel(), device=y.device)[ok], y[ok]] -= 1
+        d[~ok] = 0
+        dh[s:s + rows] = d @ w64 / count
+        dw += d.T @ h64[s:s + rows] / count
+    return loss / count, dh, dw
+
+
+@pytest.mark.parametrize("n,h,v", [(8192, 3584, 152064), (16384, 896, 151936), (8192, 4096, 128256)])
+def test_one_pass_cross_entropy_on_quack_matches_the_cublas_path(monkeypatch, n, h, v):
+    """Cross-entropy's one pass with the chunks' logits and dW GEMMs on QuACK (the 7B, 0.5B and 8B heads,
+    10% ignored labels, N * V > 2^31 at 0.5B): the loss of the cuBLAS path, dh and dW within 1.1x its
+    error against float64."""
+    import logitless
+    from logitless.ops.triton import head
+
+    chunks = []
+    real = quack_head.ChunkStats.logits
+    monkeypatch.setattr(quack_head.ChunkStats, "logits", lambda self, h_c, *a: chunks.append(h_c.shape[0]) or
+                        real(self, h_c, *a))
+    hidden, weight, labels = _inputs(n, h, v)
+
+    def run(mode):
+        monkeypatch.setenv("LOGITLESS_HEAD_GEMM", mode)
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = logitless.linear_cross_entropy(hh, ww, labels, impl="triton")
+        loss.backward()
+        return loss.detach().double(), hh.grad, ww.grad
+
+    loss_q, dh_q, dw_q = run("quack")
+    rows = int((labels != IGN).sum())
+    n_c = quack_head.chunk_rows_on_quack(rows, v, 2, head.WORKSPACE_BYTES)
+    assert chunks == [n_c] * (rows // n_c) + ([rows % n_c] if rows % n_c else [])
+    loss_c, dh_c, dw_c = run("cublas")
+    assert len(chunks) == -(-rows // n_c)
+    loss64, dh64, dw64 = _ce_float64(hidden, weight, labels)
+    torch.testing.assert_close(loss_q, loss_c, rtol=2e-6, atol=0)
+    torch.testing.assert_close(loss_q, loss64, rtol=1e-4, atol=0)
+    for got, cublas, exact in ((dh_q, dh_c, dh64), (dw_q, dw_c, dw64)):
+        err, err_c = _rel(got, exact), _rel(cublas, exact)
+        assert err <= 1.1 * err_c + 1e-7, (err, err_c)

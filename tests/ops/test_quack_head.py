@@ -117,12 +117,18 @@ def _assert_aligned(*tensors):
 
 
 def _emulated_epilogue(hidden, weight, labels, log2e_over_t, *, round_logits, tile_n, tile_max, sum_exp,
-                       sum_exp_x, target_acc):
+                       sum_exp_x, target_acc, logits=None):
     """What QuACK's statistics epilogue writes (``_quack_epilogues.tile_entropy_stats``), in torch;
     QuACK refuses operands whose data is not 16-byte aligned."""
-    _assert_aligned(hidden, weight, labels, tile_max, sum_exp, sum_exp_x, target_acc)
+    _assert_aligned(hidden, weight, labels, tile_max, sum_exp, target_acc,
+                    *([] if sum_exp_x is None else [sum_exp_x]))
+    assert sum_exp_x is not None or round_logits
     raw = hidden.float() @ weight.float().T
     acc = raw.bfloat16().float() if round_logits else raw
+    if logits is not None:  # the one pass's chunk: the rounded logits stored, rows 16-byte aligned
+        assert round_logits and logits.stride(0) * logits.element_size() % 16 == 0
+        _assert_aligned(logits)
+        logits.copy_(acc)
     rows, vocab = acc.shape
     tiles = acc.view(rows, vocab // tile_n, tile_n)
     top = raw.view(rows, vocab // tile_n, tile_n).amax(-1)  # the prepass sees the raw accumulator
@@ -130,7 +136,8 @@ def _emulated_epilogue(hidden, weight, labels, log2e_over_t, *, round_logits, ti
     e = torch.exp2(x)
     tile_max.copy_(top)
     sum_exp.copy_(e.sum(-1))
-    sum_exp_x.copy_((e * x).sum(-1))
+    if sum_exp_x is not None:
+        sum_exp_x.copy_((e * x).sum(-1))
     hit = (labels >= 0) & (labels < vocab)
     target_acc[hit] = acc[hit, labels[hit]]
 
@@ -147,6 +154,15 @@ def _emulated_slab_dlogits(hidden, weight_slab, out, row_inputs, slab_label, lab
     label_acc[hit] = a[hit, slab_label[hit]]
 
 
+def _emulated_dw_accumulate(dw, dl, h_c, first):
+    """What ``_quack_epilogues.dw_accumulate`` writes, in torch: the product rounded to dW's dtype by
+    the GEMM's store, then added to dW by the reduce-add (rounded again)."""
+    _assert_aligned(dw, dl, h_c)
+    assert dl.stride(0) * dl.element_size() % 16 == 0
+    prod = (dl.float().T @ h_c.float()).to(dw.dtype)
+    dw.copy_(prod if first else (dw.float() + prod.float()).to(dw.dtype))
+
+
 @pytest.fixture
 def emulated_quack(monkeypatch):
     """``forward_outputs`` with the emulated epilogue in place of QuACK's kernel (CPU)."""
@@ -156,6 +172,7 @@ def emulated_quack(monkeypatch):
     fake = types.ModuleType("logitless.ops._quack_epilogues")
     fake.tile_entropy_stats = _emulated_epilogue
     fake.slab_dlogits = _emulated_slab_dlogits
+    fake.dw_accumulate = _emulated_dw_accumulate
     monkeypatch.setitem(sys.modules, "logitless.ops._quack_epilogues", fake)
     import logitless.ops
 
@@ -302,3 +319,124 @@ def test_slab_row_inputs_start_16_byte_aligned(block, m):
     """QuACK refuses an epilogue operand whose data is not 16-byte aligned (it did at the 7B head's 7373 valid rows)."""
     rows = quack_head.SlabDlogits(block, torch.device("cpu")).rows[:, :m]
     assert all(r.data_ptr() % 16 == 0 and r.is_contiguous() for r in rows.unbind(0))
+
+
+@pytest.mark.parametrize("vocab,itemsize,budget", [(152064, 2, 224 << 20), (151936, 2, 224 << 20),
+                                                   (128256, 2, 224 << 20), (384, 2, 60000), (128256, 2, 100 << 20),
+                                                   (640, 4, 3000)])
+def test_one_pass_chunks_on_quack_are_the_largest_even_tile_count_within_the_budget(vocab, itemsize, budget):
+    """The largest multiple of 64 rows (above 256) whose logits fit the budget and whose 128-row tiles
+    pair up in the GEMM's (2, 1) clusters, by search."""
+    got = quack_head.chunk_rows_on_quack(1 << 20, vocab, itemsize, budget)
+    fits = budget // (vocab * itemsize)
+    if fits <= 256:
+        assert got == max(1, fits)
+    else:
+        want = max(r for r in range(64, fits + 1, 64) if -(-r // 128) % 2 == 0)
+        assert got == want
+    assert got * vocab * itemsize <= budget or got == 1
+    assert quack_head.chunk_rows_on_quack(5, vocab, itemsize, budget) == min(5, got)
+
+
+@pytest.fixture
+def chunks_on_emulated_quack(monkeypatch, emulated_quack):
+    """The one pass's chunks on QuACK (emulated epilogue and dW GEMM), with small chunks; returns the
+    chunk sizes each ``ChunkStats.logits`` call saw."""
+    from logitless.ops.triton import head
+
+    monkeypatch.setattr(quack_head, "quack_installed", lambda: True)
+    monkeypatch.setattr(quack_head, "outputs_apply", lambda hidden, weight, mode: mode in ("quack", "auto"))
+    monkeypatch.setattr(head, "WORKSPACE_BYTES", 60000)
+    seen = []
+    real = quack_head.ChunkStats.logits
+    monkeypatch.setattr(quack_head.ChunkStats, "logits", lambda self, h_c, *a: seen.append(h_c.shape[0]) or
+                        real(self, h_c, *a))
+    real_init = quack_head.ChunkStats.__init__
+    monkeypatch.setattr(quack_head.ChunkStats, "__init__", lambda self, *a: seen.append(("entropy", a[-1])) or
+                        real_init(self, *a))
+    return seen
+
+
+def _ce_inputs(seed, n=700, hid=16, vocab=384):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, hid, generator=g).bfloat16()
+    weight = (torch.randn(vocab, hid, generator=g) * 2).bfloat16()
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.1] = IGN
+    return hidden, weight, labels
+
+
+def _rel(got, exact):
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("compact,temperature", [(True, 1.0), (False, 0.7)])
+def test_one_pass_cross_entropy_on_quack_matches_float64_as_the_cublas_path(monkeypatch, chunks_on_emulated_quack,
+                                                                           compact, temperature):
+    """Cross-entropy's one pass with its chunks' logits GEMM (stored logits + per-tile statistics) and dW
+    GEMMs (product rounded, then reduce-added) on QuACK, emulated: chunks of ``chunk_rows_on_quack``
+    rows; loss equal to the cuBLAS path's, dh and dW within 1.1x its error against float64."""
+    from logitless.ops.triton import head
+
+    monkeypatch.setenv("LOGITLESS_TRITON_COMPACT", "1" if compact else "0")
+    hidden, weight, labels = _ce_inputs(5)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    rows = int((labels != IGN).sum()) if compact else n
+    n_c = quack_head.chunk_rows_on_quack(rows, vocab, 2, head.WORKSPACE_BYTES)
+    assert n_c == head.WORKSPACE_BYTES // (vocab * 2) == 78
+
+    def run(mode):
+        monkeypatch.setenv("LOGITLESS_HEAD_GEMM", mode)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = logitless.linear_cross_entropy(h, w, labels, temperature=temperature, impl="triton")
+        loss.backward()
+        return loss.detach().double(), h.grad, w.grad
+
+    loss, dh, dw = run("quack")
+    # no entropy sums for cross-entropy
+    assert chunks_on_emulated_quack == [("entropy", False)] + [n_c] * (rows // n_c) + ([rows % n_c] if rows % n_c
+                                                                                         else [])
+    loss_cublas, dh_cublas, dw_cublas = run("cublas")
+    assert len(chunks_on_emulated_quack) == 1 + -(-rows // n_c)  # the cuBLAS path does not call it
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp64, _ = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=temperature)
+    loss64 = -lp64[labels != IGN].mean()
+    loss64.backward()
+    torch.testing.assert_close(loss, loss64.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, loss_cublas, rtol=1e-6, atol=0)
+    for got, cublas, exact in ((dh, dh_cublas, h64.grad), (dw, dw_cublas, w64.grad)):
+        assert _rel(got, exact) <= 1.1 * _rel(cublas, exact) + 1e-7, (_rel(got, exact), _rel(cublas, exact))
+
+
+def test_one_pass_token_objective_on_quack_matches_the_cublas_path(monkeypatch, chunks_on_emulated_quack):
+    """The GRPO token objective's one pass (per-row upstreams from each chunk's log-probs and entropies)
+    on QuACK, emulated: value equal to the cuBLAS path's, dh and dW within 1.1x its error against float64."""
+    from logitless.ops.triton import token_objective
+
+    hidden, weight, labels = _ce_inputs(6, n=400)
+    g = torch.Generator().manual_seed(7)
+    adv, old = torch.randn(hidden.shape[0], generator=g), -torch.rand(hidden.shape[0], generator=g) * 5
+
+    def objective(logp, ent, rows):
+        ratio = torch.exp(logp - old[rows].to(logp.dtype))
+        return -(ratio * adv[rows].to(logp.dtype)).sum() - 0.01 * ent.sum()
+
+    def run(mode):
+        monkeypatch.setenv("LOGITLESS_HEAD_GEMM", mode)
+        value, _, _, dh, dw = token_objective.token_objective_fused(hidden, weight, labels, objective, IGN, 1.0, True,
+                                                                    True, True)
+        return value.double(), dh, dw
+
+    value, dh, dw = run("quack")
+    assert chunks_on_emulated_quack == [("entropy", True)] + [78] * 4 + [55]  # one pass over 367 valid rows
+    value_cublas, dh_cublas, dw_cublas = run("cublas")
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp64, ent64 = reference.log_probs(h64, w64, labels, ignore_index=IGN, temperature=1.0)
+    rows = torch.nonzero(labels != IGN).squeeze(1)
+    objective(lp64[rows], ent64[rows], rows).backward()
+    # the value of the bf16 logits both paths compute, in float64
+    lp_b, ent_b, _ = _float64_outputs((hidden.float() @ weight.float().T).bfloat16(), labels, 1.0)
+    torch.testing.assert_close(value, objective(lp_b[rows], ent_b[rows], rows), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(value, value_cublas, rtol=1e-5, atol=1e-5)
+    for got, cublas, exact in ((dh, dh_cublas, h64.grad), (dw, dw_cublas, w64.grad)):
+        assert _rel(got, exact) <= 1.1 * _rel(cublas, exact) + 1e-7, (_rel(got, exact), _rel(cublas, exact))

@@ -12,10 +12,13 @@ Two epilogues:
   :func:`logitless.ops.triton.kernels.finalize_tile_stats_kernel` folds into log-probs, entropy and
   the float64 log-sum-exp. The tile max is a prepass over the accumulator (registers on sm_90), so
   each element takes one exponential and no rescaling;
+* :func:`dw_accumulate`: no epilogue of ours, QuACK's plain GEMM adding into dW through its store;
 * :func:`slab_dlogits`: the backward's recompute of a V slab of logits, which stores the gradient
   w.r.t. them instead (all but the label's entry, see
   :func:`logitless.ops.triton.kernels.label_dlogits_kernel`).
 """
+
+from typing import Optional
 
 import cutlass
 import torch
@@ -25,6 +28,7 @@ from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.math import pexp2
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, GroupedColStatsBase, OnlineLSEReduce
 from quack.gemm_config import GemmConfig
+from quack.gemm_interface import gemm_tuned
 
 from logitless.ops.quack_head import _LOG2E, TILE_N_CHOICES
 
@@ -116,11 +120,32 @@ _ROUNDED_TILE_LABEL = ColVecLoad("target")
 def _rounded_tile_entropy_stats(acc, tile_max, log2e_over_t):
     """:func:`_tile_entropy_stats` of the accumulator rounded to bf16, the logits that the backward's
     cuBLAS recompute sees: the log-sum-exp it is handed must be theirs, or its softmax does not sum
-    to one (a bias along every direction the rows share)."""
+    to one (a bias along every direction the rows share). ``D`` (stored only when asked, rounded to
+    bf16 by the store as by ``_bf16``) is the logits the one-pass cross-entropy turns into dlogits."""
     a = _bf16(acc)
     x = (a - tile_max) * log2e_over_t
     e = pexp2(x)
-    return {"sum_exp": e, "sum_exp_x": (e, x), "target_acc": a}
+    return {"D": acc, "sum_exp": e, "sum_exp_x": (e, x), "target_acc": a}
+
+
+_LSE_TILE_MAX = TileRowMax("tile_max")
+_LSE_TILE_LABEL = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"tile_max": _LSE_TILE_MAX},
+    prepass=_tile_max_prepass,
+    prepass_outs=("tile_max",),
+    reduces={"sum_exp": ColVecReduce("sum_exp")},
+    outs={"target_acc": ColVecSelect("target_acc", idx_op=_LSE_TILE_LABEL)},
+    extra_ops=(_LSE_TILE_MAX.out("tile_max_out"), _LSE_TILE_LABEL),
+)
+def _rounded_tile_lse_stats(acc, tile_max, log2e_over_t):
+    """:func:`_rounded_tile_entropy_stats` without ``sum 2^x x`` (no entropy): cross-entropy's chunks,
+    whose per-tile statistics then take two thirds of the memory."""
+    a = _bf16(acc)
+    e = pexp2((a - tile_max) * log2e_over_t)
+    return {"D": acc, "sum_exp": e, "target_acc": a}
 
 
 _CONFIGS = {tile_n: GemmConfig(tile_m=128, tile_n=tile_n, cluster_m=2, cluster_n=1, pingpong=tile_n <= 208,
@@ -130,8 +155,9 @@ _CONFIGS = {tile_n: GemmConfig(tile_m=128, tile_n=tile_n, cluster_m=2, cluster_n
 
 def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, log2e_over_t: float,
                        *, round_logits: bool, tile_n: int, tile_max: torch.Tensor, sum_exp: torch.Tensor,
-                       sum_exp_x: torch.Tensor, target_acc: torch.Tensor) -> None:
-    """Fill the per-(row, tile) statistics of ``hidden @ weight.T`` (the logits are not stored).
+                       sum_exp_x: Optional[torch.Tensor], target_acc: torch.Tensor,
+                       logits: Optional[torch.Tensor] = None) -> None:
+    """Fill the per-(row, tile) statistics of ``hidden @ weight.T`` (and store the logits when asked).
 
     Args:
         hidden (torch.Tensor): ``(M, H)`` bf16.
@@ -142,13 +168,22 @@ def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         round_logits (bool): round the accumulator to bf16 first (a backward recomputes bf16 logits).
         tile_n (int): one of ``quack_head.TILE_N_CHOICES``.
         tile_max, sum_exp, sum_exp_x (torch.Tensor): ``(M, V // tile_n)`` fp32 outputs: the tile's
-            max accumulator, ``sum 2^x``, ``sum 2^x x``.
+            max accumulator, ``sum 2^x``, ``sum 2^x x`` (None: not computed; ``round_logits`` only).
         target_acc (torch.Tensor): ``(M,)`` fp32 output: the label's accumulator.
+        logits (Optional[torch.Tensor]): ``(M, V)`` bf16 output with 16-byte aligned rows: the
+            rounded logits, stored (``round_logits`` only); None: not stored.
     """
-    epilogue = _rounded_tile_entropy_stats if round_logits else _tile_entropy_stats
-    epilogue(hidden, weight.mT, store_d=False, config=_CONFIGS[tile_n], tile_max=tile_n, tile_max_out=tile_max,
-             sum_exp=sum_exp, sum_exp_x=sum_exp_x, target=labels, target_acc=target_acc,
-             log2e_over_t=log2e_over_t)
+    if logits is not None and not round_logits:
+        raise ValueError("tile_entropy_stats: logits are stored only with round_logits=True (the statistics "
+                         "must be those of the stored bf16 logits)")
+    if sum_exp_x is None and not round_logits:
+        raise ValueError("tile_entropy_stats: sum_exp_x=None needs round_logits=True")
+    store = {"store_d": False} if logits is None else {"out": {"D": logits}}
+    sums = {"sum_exp": sum_exp} if sum_exp_x is None else {"sum_exp": sum_exp, "sum_exp_x": sum_exp_x}
+    epilogue = _rounded_tile_lse_stats if sum_exp_x is None else \
+        _rounded_tile_entropy_stats if round_logits else _tile_entropy_stats
+    epilogue(hidden, weight.mT, **store, config=_CONFIGS[tile_n], tile_max=tile_n, tile_max_out=tile_max, **sums,
+             target=labels, target_acc=target_acc, log2e_over_t=log2e_over_t)
 
 
 _SLAB_LABEL = ColVecLoad("slab_label")
@@ -187,3 +222,14 @@ def slab_dlogits(hidden: torch.Tensor, weight_slab: torch.Tensor, out: torch.Ten
     _rounded_dlogits(hidden, weight_slab.mT, out={"D": out}, tuned=False, lse_hi=lse_hi, lse_lo=lse_lo, c_lp=c_lp,
                      c_ent=c_ent, ent=ent, slab_label=slab_label, label_acc=label_acc,
                      inv_temperature=inv_temperature)
+
+
+#: The one pass's dW GEMMs (M = V, N = H, K = chunk rows): the fastest of four tile shapes on an H200
+#: at the 7B and 0.5B heads (``benchmarks/probe_quack_ce_gemms.py``, ``quack_ce_gemms_h200.csv``).
+_DW_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True, is_dynamic_persistent=False)
+
+
+def dw_accumulate(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
+    """``dw (+)= dl.T @ h_c``: QuACK's GEMM at a fixed configuration (``gemm_tuned.fn``: not
+    autotuned), adding through its tensor-memory store's reduce-add when not ``first``."""
+    gemm_tuned.fn(dl.mT, h_c, dw, config=_DW_CONFIG, add_to_output=not first)

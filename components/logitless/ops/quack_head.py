@@ -17,12 +17,18 @@ Three GEMMs of the head use it:
 * :class:`SlabDlogits`: the recompute backward's logits GEMM over a (row block, V slab), which
   stores the gradient w.r.t. the bf16-rounded logits instead of the logits (the label's entry is
   written after it, in fp32 before its rounding); dh and dW stay cuBLAS GEMMs.
+* :class:`ChunkStats` and :func:`dw_accumulate`: the one pass of cross-entropy and of the token
+  objective (full-V row chunks, gradients in the same pass): the chunk's logits GEMM stores the bf16
+  logits and the same per-tile statistics as :func:`forward_outputs`, so no pass reads the logits
+  for them; ``dW (+)= dl.T @ h_c`` adds each chunk's product to dW through the GEMM's tensor-memory
+  store (a reduce-add in L2: dW is not read back into the SMs), where cuBLAS's ``addmm_`` reads dW in
+  an epilogue that does not overlap its main loop. dh stays a cuBLAS GEMM.
 
 ``LOGITLESS_HEAD_GEMM`` chooses it: ``quack`` asks for it (an error if ``quack-kernels`` is not
 installed), ``auto`` takes it where it applies and QuACK is installed. It applies to bf16 inputs on
 an sm_90 GPU with ``H`` a multiple of 8 (the GEMM's tensor-memory-access rows), outside
-``torch.compile`` tracing, for :func:`forward_outputs` a vocabulary that one of the epilogue's N
-tiles divides (:func:`stats_tile_n`), for :class:`SlabDlogits` one with ``V % 8 == 0`` and
+``torch.compile`` tracing, for :func:`forward_outputs` and :class:`ChunkStats` a vocabulary that one
+of the epilogue's N tiles divides (:func:`stats_tile_n`), for :class:`SlabDlogits` one with ``V % 8 == 0`` and
 ``V >= 1024`` (:func:`dlogits_apply`); every other call runs the cuBLAS + Triton path as before.
 Every tensor handed to QuACK starts 16-byte aligned (it refuses others).
 """
@@ -34,7 +40,8 @@ from typing import Optional
 import torch
 
 __all__ = ["quack_installed", "forward_applies", "outputs_apply", "dlogits_apply", "stats_tile_n", "log_probs",
-           "forward_outputs", "SlabDlogits", "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
+           "forward_outputs", "SlabDlogits", "ChunkStats", "dw_accumulate", "chunk_rows_on_quack",
+           "ROWS_PER_LAUNCH", "TILE_N_CHOICES"]
 
 #: Rows per GEMM launch: the epilogue's per-(row, tile) log-sum-exp partials of 8192 rows take about
 #: 0.05 GiB at a 152k vocabulary (0.19 GiB at 32768 rows in one launch), within the forward's 0.1 GiB.
@@ -241,3 +248,104 @@ class SlabDlogits:
             out, out.stride(0), slab_label, label_acc, rows, rows.stride(0), lse, idx if idx is not None else labels, r0,
             m, inv_t,
             **flags)
+
+
+def chunk_rows_on_quack(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
+    """Rows per one-pass chunk when :class:`ChunkStats` runs its logits GEMM: the rows whose logits
+    fit ``budget`` bytes, in an even number of 128-row tiles.
+
+    The GEMM runs its tiles in (2, 1) clusters, so an odd count leaves half of the last cluster idle
+    (the 8B head's 896-row chunks: 7 tiles in 8 slots); and cuBLAS's dh GEMM (``dl @ W``) ran at half
+    speed at 704 and 832 rows with H = 896 (0.53 against 0.28 ms at 768 on an H200). The per-tile
+    statistics (2-4% of a row's logits at a 152k vocabulary) are held beside the workspace, as the
+    per-row outputs are: cross-entropy's at the 7B head 4.6 MiB.
+
+    Args:
+        n_rows (int): rows to process. vocab (int): V. itemsize (int): bytes per logit.
+        budget (int): bytes of the logits workspace.
+
+    Returns:
+        int: rows per chunk, in ``[1, max(n_rows, 1)]``.
+
+    Example:
+        >>> chunk_rows_on_quack(8192, 128256, 2, 224 << 20)  # the 8B head: 768, not 896
+        768
+    """
+    rows = max(1, budget // (vocab * itemsize))
+    if rows > 256:
+        rows -= rows % 64
+        tiles = -(-rows // 128)
+        rows = (tiles - 1) * 128 if tiles % 2 else rows
+    return max(1, min(rows, n_rows))
+
+
+class ChunkStats:
+    """The logits GEMM of a one-pass chunk on QuACK: stores the bf16 logits with their per-tile
+    statistics (:meth:`logits`), which :meth:`finalize` folds into the rows' log-probs, entropies
+    and float64 log-sum-exps (those of the stored, rounded logits).
+
+    Args:
+        chunk (int): the most rows of a chunk.
+        vocab (int): V, ``stats_tile_n(vocab) > 0``.
+        device (torch.device): where the per-tile statistics live.
+        entropy (bool): also the entropies (else ``ent`` is left as it is, and the statistics take
+            two fp32 per (row, tile) instead of three).
+
+    Example:
+        >>> stats = ChunkStats(n_c, w.shape[0], h.device, entropy=False)  # doctest: +SKIP
+        >>> stats.logits(h_c, w, y_c, logits, inv_t=1.0)  # doctest: +SKIP
+        >>> stats.finalize(labels, idx, start, logp, ent, lse, 1.0, -100)  # doctest: +SKIP
+    """
+
+    def __init__(self, chunk: int, vocab: int, device: torch.device, entropy: bool = True):
+        self.tile_n = stats_tile_n(vocab)
+        self.n_tiles = vocab // self.tile_n
+        self.entropy = entropy
+        # Each statistic's block starts 16-byte aligned (QuACK's operand rule): rows rounded up to 4.
+        self.stats = torch.empty((3 if entropy else 2, -(-chunk // 4) * 4, self.n_tiles), dtype=torch.float32,
+                                 device=device)
+        self.acc_y = torch.empty((chunk,), dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def logits(self, h_c: torch.Tensor, weight: torch.Tensor, y_c: torch.Tensor, out: torch.Tensor,
+               inv_t: float) -> None:
+        """``out = h_c @ weight.T`` (``(rows, V)`` bf16, 16-byte aligned rows) and the statistics of
+        its rows (labels ``y_c``) at temperature ``1 / inv_t``."""
+        from logitless.ops import _quack_epilogues
+
+        m = self.rows = h_c.shape[0]
+        _quack_epilogues.tile_entropy_stats(
+            h_c, weight, y_c, _LOG2E * inv_t, round_logits=True, tile_n=self.tile_n, tile_max=self.stats[0, :m],
+            sum_exp=self.stats[1, :m], sum_exp_x=self.stats[2, :m] if self.entropy else None,
+            target_acc=self.acc_y[:m], logits=out)
+
+    def finalize(self, labels: torch.Tensor, idx: Optional[torch.Tensor], start: int, logp: torch.Tensor,
+                 ent: torch.Tensor, lse: torch.Tensor, inv_t: float, ignore_index: int) -> None:
+        """Write the last :meth:`logits` chunk's outputs (rows ``start ..`` of the valid rows ``idx``,
+        every row when None) into ``logp``, ``ent`` (fp32) and ``lse`` (float64), by original row."""
+        from logitless.ops.triton import kernels
+
+        m = self.rows
+        kernels.finalize_tile_stats_kernel[(m,)](
+            self.stats[0, :m], self.stats[1, :m], self.stats[-1, :m], self.acc_y, labels,
+            idx if idx is not None else labels, logp, ent, lse, start, self.n_tiles, inv_t, ignore_index,
+            HAS_IDX=idx is not None, BLOCK_T=1024, HAS_ENT=self.entropy, num_warps=4,
+        )
+
+
+def dw_accumulate(dw: torch.Tensor, dl: torch.Tensor, h_c: torch.Tensor, first: bool) -> None:
+    """``dw = dl.T @ h_c`` (``first``) or ``dw += dl.T @ h_c`` on QuACK's GEMM, the sum added by its
+    store (a reduce-add in L2) instead of an epilogue that reads ``dw``.
+
+    Args:
+        dw (torch.Tensor): ``(V, H)`` bf16, contiguous.
+        dl (torch.Tensor): ``(rows, V)`` bf16 with 16-byte aligned rows.
+        h_c (torch.Tensor): ``(rows, H)`` bf16, contiguous.
+        first (bool): overwrite ``dw`` instead of adding to it.
+
+    Example:
+        >>> dw_accumulate(dw, dl, h_c, first=False)  # doctest: +SKIP
+    """
+    from logitless.ops import _quack_epilogues
+
+    _quack_epilogues.dw_accumulate(dw, dl, h_c, first)

@@ -31,6 +31,12 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   row block): more rounding steps of dW cost more accuracy than plain PyTorch's at 152k
   vocabularies (measured, docs/performance.md).
 
+On QuACK (``LOGITLESS_HEAD_GEMM=quack|auto``, :func:`chunks_on_quack`) the one pass's chunks are
+whole pairs of 128-row tiles (:func:`~logitless.ops.quack_head.chunk_rows_on_quack`); each chunk's
+logits GEMM stores the bf16 logits with per-tile sums (``quack_head.ChunkStats``, no statistics
+pass over the logits) and its dW GEMM adds into dW through the GEMM's store
+(``quack_head.dw_accumulate``); dh stays cuBLAS.
+
 With ``LOGITLESS_HEAD_GEMM=triton`` (:mod:`~logitless.ops.triton.gemm_epilogues`, opt-in until
 measured; per call, where the inputs' rows are 16-byte aligned) the same paths run Triton GEMMs
 with the epilogues inside: the forward's statistics come from ``logits_stats`` (no logits buffer:
@@ -47,7 +53,8 @@ Workspace beyond the inputs and the returned gradients (``B`` = ``WORKSPACE_BYTE
                     are ignored) <= F   (+ N * 28 bytes of per-row fp32 state/outputs)
     recompute bwd:  rows_b * cols_b * itemsize + rows_b * H * 4 <= B   (+ rows_b * H * itemsize for
                     the gathered rows when some are ignored)
-    fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk);
+    fused CE:       n_c * V * itemsize <= B   (+ 2 * n_c * H * itemsize gathered rows / dh chunk;
+                    on QuACK + 8 * n_c * V / tile_n per-tile sums, 12 with the entropy);
                     its cached first block: logits in dW's buffer, slabs + fp32 dh block <= B;
                     pinned labels (when rows * k * itemsize <= P, ``PINNED_BYTES``): k * H * 4
                     (their dW rows' fp32 sums) + n_c * k * itemsize (a chunk's pinned dlogits)
@@ -190,14 +197,38 @@ def valid_rows(labels: torch.Tensor, ignore_index: int, n_valid: int = -1) -> Op
     return None if idx.numel() == labels.numel() else idx
 
 
-class _Chunks:
-    """Iterates row chunks: yields ``(h_c, idx_c, start, logits_view)`` over a reused buffer."""
+def chunks_on_quack(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one pass's chunks run their logits GEMM (with the statistics) and their dW GEMMs
+    on QuACK (:class:`~logitless.ops.quack_head.ChunkStats`): ``LOGITLESS_HEAD_GEMM`` is not
+    ``triton`` and :func:`~logitless.ops.quack_head.outputs_apply` holds."""
+    return not gemm_epilogues.use(hidden, weight) and quack_head.outputs_apply(hidden, weight, settings.head_gemm)
 
-    def __init__(self, hidden, weight, idx, budget, first=0):
+
+def one_pass_rows(n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, budget: int) -> int:
+    """Rows per chunk of the one pass: :func:`chunk_rows`, or
+    :func:`~logitless.ops.quack_head.chunk_rows_on_quack` where :func:`chunks_on_quack` holds."""
+    vocab, itemsize = weight.shape[0], hidden.element_size()
+    if chunks_on_quack(hidden, weight):
+        return quack_head.chunk_rows_on_quack(n_rows, vocab, itemsize, budget)
+    return chunk_rows(n_rows, vocab, itemsize, budget)
+
+
+class _Chunks:
+    """Iterates row chunks: yields ``(h_c, idx_c, start, logits_view)`` over a reused buffer.
+
+    On QuACK (:func:`chunks_on_quack`) the chunk's logits GEMM also fills their statistics
+    (``self.quack``), which :func:`_stats` then folds; it needs the labels and ``1 / T`` for that,
+    and ``entropy=False`` when no entropy is read (then left unwritten).
+    """
+
+    def __init__(self, hidden, weight, idx, budget, first=0, labels=None, inv_t=1.0, entropy=True):
         self.hidden, self.weight, self.idx, self.first = hidden, weight, idx, first
+        self.labels, self.inv_t = labels, inv_t
         self.rows = hidden.shape[0] if idx is None else idx.numel()
         vocab = weight.shape[0]
-        self.n_c = chunk_rows(self.rows - first, vocab, hidden.element_size(), budget)
+        self.n_c = one_pass_rows(self.rows - first, hidden, weight, budget)
+        on_quack = labels is not None and self.rows > first and chunks_on_quack(hidden, weight)
+        self.quack = quack_head.ChunkStats(self.n_c, vocab, hidden.device, entropy) if on_quack else None
         # Rows 16-byte aligned where the Triton dW GEMM reads the buffer through a tensor descriptor.
         ld = gemm_epilogues.aligned_cols(vocab, hidden.element_size()) if gemm_epilogues.use(hidden, weight) else vocab
         self.buf = hidden.new_empty((self.n_c, ld))[:, :vocab] if self.rows > first else None
@@ -206,7 +237,8 @@ class _Chunks:
         self.gathered = hidden.new_empty((self.n_c, hidden.shape[1])) if idx is not None and self.rows > first \
             else None
         self.splits, self.span = _num_splits(self.n_c, vocab, hidden.device)
-        self.part = hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
+        self.part = None if self.quack is not None else \
+            hidden.new_empty((self.n_c, self.splits, 3), dtype=torch.float32)
 
     def __iter__(self):
         for start in range(self.first, self.rows, self.n_c):
@@ -217,7 +249,12 @@ class _Chunks:
                 idx_c = self.idx[start:end]
                 h_c = torch.index_select(self.hidden, 0, idx_c, out=self.gathered[: end - start])
             logits = self.buf[: end - start]
-            torch.matmul(h_c, self.weight.t(), out=logits)
+            if self.quack is not None:
+                # a copy either way: QuACK refuses a label slice not 16-byte aligned (an odd start)
+                y_c = self.labels[start:end].clone() if idx_c is None else self.labels.index_select(0, idx_c)
+                self.quack.logits(h_c, self.weight, y_c, logits, self.inv_t)
+            else:
+                torch.matmul(h_c, self.weight.t(), out=logits)
             yield h_c, idx_c, start, logits
 
 
@@ -230,6 +267,9 @@ def _row_stats(ch, logits, inv_t):
 
 
 def _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index):
+    if ch.quack is not None:  # the chunk's GEMM left per-tile statistics: fold them
+        ch.quack.finalize(labels, ch.idx, start, logp, ent, lse, inv_t, ignore_index)
+        return
     rows = logits.shape[0]
     _row_stats(ch, logits, inv_t)
     kernels.finalize_kernel[(rows,)](
@@ -263,7 +303,10 @@ def _grads(ch, logits, h_c, idx_c, start, dh, dw, first, pin=None):
     if dw is not None:
         if pin is not None:
             pin.take(logits, start, h_c)
-        _dw_update(dw, logits, h_c, ch.weight, first)
+        if ch.quack is not None:  # QuACK's GEMM adding into dW through its store
+            quack_head.dw_accumulate(dw, logits, h_c, first)
+        else:
+            _dw_update(dw, logits, h_c, ch.weight, first)
 
 
 def _dw_update(dw_slab, dl, h_b, weight, first):
@@ -829,14 +872,14 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     hidden = rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     inv_t = 1.0 / temperature
     rows = n if idx is None else idx.numel()
-    n_c = chunk_rows(rows, weight.shape[0], hidden.element_size(), WORKSPACE_BYTES)
+    n_c = one_pass_rows(rows, hidden, weight, WORKSPACE_BYTES)
     cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
     pin = one_pass_pins(rows, n_c, cached, weight.shape[0], need_dw, hidden.element_size())
     chunks = first_chunk = None
     if pin >= 0 and not cached:
         # The first chunk's logits GEMM is queued before the small setup kernels below: after
         # validation's host sync the GPU would otherwise idle while the host issues each of them.
-        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES)
+        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, labels=labels, inv_t=inv_t, entropy=False)
         chunks = iter(ch)
         first_chunk = next(chunks, None)
     logp, ent, lse = row_outputs(hidden, n)
@@ -855,7 +898,8 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     if cached:
         logp, ent, lse = _cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                        dh if need_dh else None, dw, lambda *_: (coef, None, None))
-        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached)
+        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
+                     entropy=False)
         chunks = iter(ch)
     pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden, ch.n_c) \
         if pin > 0 else None

@@ -179,6 +179,7 @@ def finalize_state_kernel(
 def finalize_tile_stats_kernel(
     tmax_ptr, s_ptr, sx_ptr, acc_y_ptr, labels_ptr, idx_ptr, logp_ptr, ent_ptr, lse_ptr,
     row_offset, n_tiles, inv_t, ignore_index, HAS_IDX: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_ENT: tl.constexpr = True,
 ):
     """Grid ``(rows of one launch,)``: per-(row, N tile) statistics of a GEMM epilogue -> lse,
     entropy, logp at the row's token.
@@ -209,11 +210,12 @@ def finalize_tile_stats_kernel(
         ok = offs < n_tiles
         a = tl.load(tmax_ptr + base + offs, mask=ok, other=0.0)
         s = tl.load(s_ptr + base + offs, mask=ok, other=0.0)
-        w = tl.load(sx_ptr + base + offs, mask=ok, other=0.0)
         d = tl.where(ok, (a - a_max) * inv_t, 0.0)
         f = tl.where(ok, tl.exp(d), 0.0)
         s_row += tl.sum(f * s, 0)
-        t_row += tl.sum(f * (w * 0.6931471805599453 + d * s), 0)
+        if HAS_ENT:
+            w = tl.load(sx_ptr + base + offs, mask=ok, other=0.0)
+            t_row += tl.sum(f * (w * 0.6931471805599453 + d * s), 0)
     log_s = tl.log(s_row)
     inv_t64 = tl.full([], inv_t, tl.float32).to(tl.float64)
     lse = a_max.to(tl.float64) * inv_t64 + log_s.to(tl.float64)
@@ -222,7 +224,8 @@ def finalize_tile_stats_kernel(
     z_y = tl.load(acc_y_ptr + row).to(tl.float64) * inv_t64
     tl.store(lse_ptr + orow, lse)
     tl.store(logp_ptr + orow, tl.where(valid, (z_y - lse).to(tl.float32), 0.0))
-    tl.store(ent_ptr + orow, tl.where(valid, log_s - t_row / s_row, 0.0))
+    if HAS_ENT:
+        tl.store(ent_ptr + orow, tl.where(valid, log_s - t_row / s_row, 0.0))
 
 
 @triton.jit

@@ -80,7 +80,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
         hidden = head.rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     rows = n if idx is None else idx.numel()
     total = hidden.new_zeros((), dtype=torch.float32)
-    n_c = head.chunk_rows(rows, vocab, hidden.element_size(), head.WORKSPACE_BYTES)
+    n_c = head.one_pass_rows(rows, hidden, weight, head.WORKSPACE_BYTES)
     cached = head.cached_block_rows(rows, n_c, weight.shape[1], need_dw) if need_grad else 0
     # Unlike cross-entropy, a frozen head (no dW) does not switch this to one pass at any chunk
     # count: each chunk calls the Python objective, which made the one pass host-bound at many
@@ -118,7 +118,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
-    ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached)
+    ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
+                      entropy=need_entropy)
     pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
