@@ -294,7 +294,7 @@ class ChunkStats:
     Example:
         >>> stats = ChunkStats(n_c, w.shape[0], h.device, entropy=False)  # doctest: +SKIP
         >>> stats.logits(h_c, w, y_c, logits, inv_t=1.0)  # doctest: +SKIP
-        >>> stats.finalize(labels, idx, start, logp, ent, lse, 1.0, -100)  # doctest: +SKIP
+        >>> stats.finalize(labels, idx, start, h_c.shape[0], logp, ent, lse, 1.0, -100)  # doctest: +SKIP
     """
 
     def __init__(self, chunk: int, vocab: int, device: torch.device, entropy: bool = True):
@@ -305,7 +305,6 @@ class ChunkStats:
         self.stats = torch.empty((3 if entropy else 2, -(-chunk // 4) * 4, self.n_tiles), dtype=torch.float32,
                                  device=device)
         self.acc_y = torch.empty((chunk,), dtype=torch.float32, device=device)
-        self.rows = 0
 
     def logits(self, h_c: torch.Tensor, weight: torch.Tensor, y_c: torch.Tensor, out: torch.Tensor,
                inv_t: float) -> None:
@@ -313,19 +312,19 @@ class ChunkStats:
         its rows (labels ``y_c``) at temperature ``1 / inv_t``."""
         from logitless.ops import _quack_epilogues
 
-        m = self.rows = h_c.shape[0]
+        m = h_c.shape[0]
         _quack_epilogues.tile_entropy_stats(
             h_c, weight, y_c, _LOG2E * inv_t, round_logits=True, tile_n=self.tile_n, tile_max=self.stats[0, :m],
             sum_exp=self.stats[1, :m], sum_exp_x=self.stats[2, :m] if self.entropy else None,
             target_acc=self.acc_y[:m], logits=out)
 
-    def finalize(self, labels: torch.Tensor, idx: Optional[torch.Tensor], start: int, logp: torch.Tensor,
+    def finalize(self, labels: torch.Tensor, idx: Optional[torch.Tensor], start: int, m: int, logp: torch.Tensor,
                  ent: torch.Tensor, lse: torch.Tensor, inv_t: float, ignore_index: int) -> None:
-        """Write the last :meth:`logits` chunk's outputs (rows ``start ..`` of the valid rows ``idx``,
-        every row when None) into ``logp``, ``ent`` (fp32) and ``lse`` (float64), by original row."""
+        """Write the outputs of the last :meth:`logits` chunk, its ``m`` rows ``start ..`` of the valid
+        rows ``idx`` (every row when None), into ``logp``, ``ent`` (fp32) and ``lse`` (float64), by
+        original row."""
         from logitless.ops.triton import kernels
 
-        m = self.rows
         kernels.finalize_tile_stats_kernel[(m,)](
             self.stats[0, :m], self.stats[1, :m], self.stats[-1, :m], self.acc_y, labels,
             idx if idx is not None else labels, logp, ent, lse, start, self.n_tiles, inv_t, ignore_index,

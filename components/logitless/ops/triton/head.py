@@ -268,7 +268,7 @@ def _row_stats(ch, logits, inv_t):
 
 def _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index):
     if ch.quack is not None:  # the chunk's GEMM left per-tile statistics: fold them
-        ch.quack.finalize(labels, ch.idx, start, logp, ent, lse, inv_t, ignore_index)
+        ch.quack.finalize(labels, ch.idx, start, logits.shape[0], logp, ent, lse, inv_t, ignore_index)
         return
     rows = logits.shape[0]
     _row_stats(ch, logits, inv_t)
