@@ -107,6 +107,18 @@ KNOBS: Dict[str, Knob] = {
         "Cross-entropy and token objectives take the one-pass 3-GEMM path while the valid rows fit "
         "in at most this many chunks; above it the 4-GEMM path, whose dW is rounded once per row "
         "block (more chunks round dW more often: less accurate than plain PyTorch at 152k vocabularies)."),
+    "triton_objective_compile": Knob(
+        "LOGITLESS_TRITON_OBJECTIVE_COMPILE", True, _flag,
+        "The fused token objective's one pass computes each chunk's objective value and its "
+        "gradient w.r.t. (log-prob, entropy) with a torch.compile'd torch.func.grad_and_value of the "
+        "objective (a few fused kernels instead of ~50 eager ones; compiled once per process, "
+        "dynamic shapes) on CUDA. An objective that does not compile runs eagerly."),
+    "triton_objective_graph": Knob(
+        "LOGITLESS_TRITON_OBJECTIVE_GRAPH", True, _flag,
+        "The fused token objective's one pass replays its per-chunk objective call (compiled or "
+        "eager) from a CUDA graph captured once per call: at many chunks the host otherwise falls "
+        "behind the GPU. An objective that cannot be captured (a host sync, CPU work) runs "
+        "without the graph."),
     "triton_pinned_mb": Knob(
         "LOGITLESS_TRITON_PINNED_MB", 128, _non_negative_int,
         "Pinned label columns of a one-pass cross-entropy or token objective: the most frequent "

@@ -215,3 +215,84 @@ def test_cached_first_block_then_chunks(monkeypatch, need_entropy):
     assert _rel(got_lp, lp) < TOL
     assert _rel(h.grad, h64.grad) < TOL and _rel(w.grad, w64.grad) < TOL
     assert torch.equal(torch.cat(seen).sort().values, torch.nonzero(valid).squeeze(1))
+
+
+@pytest.mark.parametrize("replayable", [True, False])
+@pytest.mark.parametrize("need_dw", [True, False])
+def test_path_past_the_one_pass_chunk_limit(monkeypatch, need_dw, replayable):
+    # Past FUSED_MAX_CHUNKS chunks, where the per-chunk objective calls are replayed (CUDA), the
+    # objective follows cross-entropy's rule: a trained head (dW) keeps the one pass with pinned
+    # label columns, a frozen head the plain one pass; where they run eagerly, the two passes.
+    # Either way the values match float64 autograd.
+    from logitless.ops.triton import token_objective as TO
+
+    monkeypatch.setattr(TO.ChunkUpstreams, "replayable", staticmethod(lambda *a: replayable))
+    monkeypatch.setattr(head, "FUSED_MAX_CHUNKS", 1)
+    monkeypatch.setattr(head, "PINNED_COLUMNS", 3)
+    calls = {"two_pass": 0, "pinned": 0}
+    forward, pinned = head._forward, head.PinnedColumns
+
+    def spy_forward(*a, **k):
+        calls["two_pass"] += 1
+        return forward(*a, **k)
+
+    def spy_pinned(*a, **k):
+        calls["pinned"] += 1
+        return pinned(*a, **k)
+
+    monkeypatch.setattr(head, "_forward", spy_forward)
+    monkeypatch.setattr(head, "PinnedColumns", spy_pinned)
+    n, hd, v, temperature = 61, 24, 151, 0.8
+    hidden, weight, labels, consts = _inputs(n, hd, v, seed=11)
+    h64, w64, lp, _, want = _reference(hidden, weight, labels, consts, temperature, True)
+    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
+    chunks = []
+
+    def objective(lp, ent, rows):
+        chunks.append(rows.numel())
+        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+
+    h = hidden.float().to(DEV).requires_grad_()
+    w = weight.float().to(DEV).requires_grad_(need_dw)
+    got, got_lp, _ = T.linear_token_objective(h, w, labels.to(DEV), objective, ignore_index=IGN,
+                                              temperature=temperature, need_entropy=True)
+    got.backward()
+    if not replayable:
+        assert calls == {"two_pass": 1, "pinned": 0} and len(chunks) == 1
+    else:
+        assert calls == {"two_pass": 0, "pinned": int(need_dw)} and len(chunks) > 1
+    assert abs(float(got) - float(want)) <= TOL * max(abs(float(want)), 1e-3)
+    assert _rel(got_lp, lp) < TOL and _rel(h.grad, h64.grad) < TOL
+    if need_dw:
+        assert _rel(w.grad, w64.grad) < TOL
+
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("need_entropy", [True, False])
+def test_functorch_upstreams_equal_autograd(compiled, need_entropy):
+    # The one pass's per-chunk (value, a, b) by torch.func.grad_and_value (compiled or not, as
+    # ChunkUpstreams runs it on CUDA) against the eager autograd call, for an objective that reads
+    # per-row constants by `rows` and detaches the log-prob (GRPO without old log-probs).
+    from logitless.ops.triton import token_objective as TO
+
+    n = 40
+    _, _, _, consts = _inputs(n, 4, 7, seed=2)
+    c32 = {k: c.float() for k, c in consts.items()}
+    g = torch.Generator().manual_seed(4)
+    logp = -torch.rand(n, generator=g) * 5
+    ent = torch.rand(n, generator=g) * 3
+
+    def objective(lp, en, rows):
+        c = {k: v[rows] for k, v in c32.items()}
+        value = _policy_terms(lp, en, c, 0.05)
+        return value + (torch.exp(lp - lp.detach()) * c["adv"] * c["w"]).sum()
+
+    rows = torch.arange(7, 31)
+    want = TO._coefficients(objective, logp[rows], ent[rows] if need_entropy else None, rows, True)
+    fn = TO._compiled() if compiled else TO._upstreams_of
+    got = fn(objective, logp, ent if need_entropy else None, rows, (0, 1) if need_entropy else (0,))
+    assert (got[2] is None) == (not need_entropy) and (want[2] is None) == (not need_entropy)
+    for a, b in zip(got, want):
+        if b is not None:
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)

@@ -12,12 +12,16 @@ the chunk's rows -> ``dlogits`` -> dh and dW GEMMs: three GEMMs, like cross-entr
 forward plus a recomputing backward (four). Backward only scales dh and dW by the upstream scalar.
 
 Paths and workspace are those of :func:`logitless.ops.triton.head.ce_fused`: ignored rows are
-compacted away first; row chunks of full-V logits fit ``head.WORKSPACE_BYTES``; when the valid
-rows need more than ``head.FUSED_MAX_CHUNKS`` chunks (dW would be rounded to the
-input dtype once per chunk; and each chunk calls the Python objective; pinned label columns,
-``head.PinnedColumns``, make the chunks it does take as accurate as two passes), it falls back to the slab
-forward + slab backward (4 GEMMs, dW rounded once per row block of thousands of rows); without
-gradients only the forward-only slab pass runs (1 GEMM).
+compacted away first; row chunks of full-V logits fit ``head.WORKSPACE_BYTES``. Each chunk calls
+the objective; on CUDA its full chunks run a compiled ``torch.func.grad_and_value`` of it, replayed
+from a CUDA graph (:class:`ChunkUpstreams`), so the one pass runs where cross-entropy's does
+(``head.one_pass_pins``: a frozen head at any chunk count; with dW up to ``head.FUSED_MAX_CHUNKS``
+chunks, or up to ``head.PINNED_MAX_CHUNKS`` with pinned label columns, ``head.PinnedColumns``,
+which keep dW as accurate as two passes). Where the calls run eagerly (CPU, the knobs off, an
+objective that could not be captured before) it stops at ``head.FUSED_MAX_CHUNKS``, since each
+eager call costs ~1.5 ms of host time. Past that it falls back to the slab forward + slab
+backward (4 GEMMs, dW rounded once per row block of thousands of rows); without gradients only
+the forward-only slab pass runs (1 GEMM).
 
 ``token_objective`` is a Python callable, so this is a plain ``torch.autograd.Function``, not a
 ``torch.library`` custom op (whose schema cannot carry a callable): ``torch.compile`` graph-breaks
@@ -28,6 +32,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from logitless.settings import settings
 from logitless.ops.triton import head
 
 TokenObjective = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
@@ -52,6 +57,139 @@ def _coefficients(token_objective: TokenObjective, logp: torch.Tensor, ent: Opti
     a = grads[0].float() if grads[0] is not None else None
     b = grads[1].float() if len(grads) > 1 and grads[1] is not None else None
     return value.detach().float(), a, b
+
+
+#: Compute each full chunk's objective gradient with a compiled ``torch.func.grad_and_value``.
+OBJECTIVE_COMPILE = settings.triton_objective_compile
+#: Replay the one pass's per-chunk objective call from a CUDA graph (``ChunkUpstreams``).
+OBJECTIVE_GRAPH = settings.triton_objective_graph
+#: Code objects of objectives that failed to compile: they run eagerly from then on.
+_UNCOMPILABLE = set()
+#: Code objects of objectives that failed to be captured: their calls keep the eager chunk rule.
+_UNCAPTURABLE = set()
+
+
+def _upstreams_of(token_objective: TokenObjective, logp: torch.Tensor, ent: Optional[torch.Tensor],
+                  rows: torch.Tensor, argnums: Tuple[int, ...]):
+    """``(value, a, b)`` of the objective on ``rows`` by ``torch.func`` (traceable by torch.compile)."""
+    lp = logp[rows]
+    en = ent[rows] if ent is not None else None
+    grads, value = torch.func.grad_and_value(lambda x, y: token_objective(x, y, rows), argnums=argnums)(lp, en)
+    return value.float(), grads[0].float(), (grads[1].float() if len(argnums) > 1 else None)
+
+
+_compiled_upstreams = None
+
+
+def _compiled():
+    global _compiled_upstreams
+    if _compiled_upstreams is None:
+        _compiled_upstreams = torch.compile(_upstreams_of)
+    return _compiled_upstreams
+
+
+class ChunkUpstreams:
+    """The objective's value and per-row upstreams ``(a, b)`` of each chunk of the one pass.
+
+    Each chunk calls the Python objective and its autograd: about fifty small kernels whose launch
+    and Python time (~1.5 ms a chunk) exceed a chunk's GEMMs at small H (0.5B head: 1.2 ms), and
+    whose GPU time adds ~0.1 ms a chunk. On CUDA:
+
+    * the first full chunk runs eagerly (autograd): it checks the objective and shows which of
+      ``a``, ``b`` it has (an unused entropy gets no ``b``);
+    * with ``OBJECTIVE_COMPILE``, later full chunks run ``torch.compile(torch.func.grad_and_value)``
+      of the objective (a few fused kernels; compiled once per process, then dynamic shapes);
+    * with ``OBJECTIVE_GRAPH``, that call (compiled or not) is captured into a CUDA graph on a side
+      stream (no device sync) reading its rows from a static index, after one uncaptured run; every
+      later full chunk copies its rows in and replays it.
+
+    A shorter chunk (the last) runs eagerly. An objective that fails to compile or to be captured (a
+    host sync, CPU tensors) falls back to the eager call. The graph and its memory pool live as long
+    as this object: one ``linear_token_objective`` call.
+
+    Args:
+        token_objective (Callable): see :func:`token_objective_fused`.
+        logp, ent (torch.Tensor): fp32 ``(N,)`` row outputs the chunks' statistics fill.
+        need_entropy (bool): pass the entropy to the objective.
+        chunk_rows (int): rows of a full chunk.
+
+    Example:
+        >>> upstreams = ChunkUpstreams(objective, logp, ent, True, 768)
+        >>> value, a, b = upstreams(rows)  # after the chunk's statistics are in logp / ent
+    """
+
+    def __init__(self, token_objective: TokenObjective, logp: torch.Tensor, ent: torch.Tensor,
+                 need_entropy: bool, chunk_rows: int):
+        self.objective, self.logp = token_objective, logp
+        self.ent = ent if need_entropy else None
+        self.chunk_rows = chunk_rows
+        self.code = getattr(token_objective, "__code__", None)
+        self.compile = (OBJECTIVE_COMPILE and logp.is_cuda and self.code is not None
+                        and self.code not in _UNCOMPILABLE)
+        self.graph_on = OBJECTIVE_GRAPH and logp.is_cuda
+        self.argnums = None  # (0,) or (0, 1): which upstreams the objective has; None until seen
+        self.calls = 0
+        self.graph = self.rows = self.out = None
+
+    @staticmethod
+    def replayable(token_objective: TokenObjective, hidden: torch.Tensor) -> bool:
+        """Whether a call's full chunks will be replayed from a CUDA graph (as far as known before it)."""
+        return (OBJECTIVE_GRAPH and hidden.is_cuda
+                and getattr(token_objective, "__code__", None) not in _UNCAPTURABLE)
+
+    def eager(self, rows: torch.Tensor):
+        """The objective and its autograd on ``rows``: ``(value, a, b)``."""
+        return _coefficients(self.objective, self.logp[rows], self.ent[rows] if self.ent is not None else None,
+                             rows, True)
+
+    def _call(self, rows: torch.Tensor, capturing: bool = False):
+        if self.compile:
+            if capturing:  # compiled by the uncaptured run before; a failure here is the capture's
+                return _compiled()(self.objective, self.logp, self.ent, rows, self.argnums)
+            try:
+                return _compiled()(self.objective, self.logp, self.ent, rows, self.argnums)
+            except Exception:  # noqa: BLE001 -- an objective torch.compile cannot take runs eagerly
+                self.compile = False
+                _UNCOMPILABLE.add(self.code)
+        return self.eager(rows)
+
+    def __call__(self, rows: torch.Tensor):
+        if self.argnums is None or rows.numel() != self.chunk_rows:
+            out = self.eager(rows)
+            if self.argnums is None and rows.numel() == self.chunk_rows:
+                if out[1] is None:  # no gradient at all: nothing to compile or replay
+                    self.compile = self.graph_on = False
+                self.argnums = (0, 1) if out[2] is not None else (0,)
+            return out
+        self.calls += 1
+        if not self.graph_on or self.calls == 1:  # the first run compiles / initialises lazily
+            return self._call(rows)
+        if self.graph is None and not self._capture(rows):
+            self.graph_on = False
+            if self.code is not None:
+                _UNCAPTURABLE.add(self.code)
+            return self._call(rows)
+        self.rows.copy_(rows)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, rows: torch.Tensor) -> bool:
+        self.rows = rows.clone()
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device=rows.device)
+        side.wait_stream(torch.cuda.current_stream(rows.device))
+        try:
+            with torch.cuda.stream(side):
+                # thread_local: other threads (NCCL's watchdog, data loading) keep their CUDA calls
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = self._call(self.rows, capturing=True)
+                finally:
+                    graph.capture_end()
+        except Exception:  # noqa: BLE001 -- any failure of the capture means: no graph
+            return False
+        torch.cuda.current_stream(rows.device).wait_stream(side)
+        self.graph, self.out = graph, out
+        return True
 
 
 def token_objective_fused(hidden, weight, labels, token_objective: TokenObjective, ignore_index: int,
@@ -82,14 +220,17 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.one_pass_rows(rows, hidden, weight, head.WORKSPACE_BYTES)
     cached = head.cached_block_rows(rows, n_c, weight.shape[1], need_dw) if need_grad else 0
-    # Unlike cross-entropy, a frozen head (no dW) does not switch this to one pass at any chunk
-    # count: each chunk calls the Python objective, which made the one pass host-bound at many
-    # small chunks (0.5B head, 22 chunks: 6.8 GEMMs against 5.2 for two passes, with dW; H100).
-    chunks = head.one_pass_chunks(rows, n_c, cached)
-    # Pinned label columns make the one pass as accurate as the two; they do not lengthen it here.
-    pin = head.pinned_columns(rows, vocab, chunks, hidden.element_size()) \
-        if need_dw and not cached else 0
-    if not need_grad or chunks > head.FUSED_MAX_CHUNKS:
+    if ChunkUpstreams.replayable(token_objective, hidden):
+        # Cross-entropy's chunk rule: pinned label columns keep dW as accurate as the two passes
+        # up to PINNED_MAX_CHUNKS chunks; a frozen head (no dW) takes one pass at any count.
+        pin = head.one_pass_pins(rows, n_c, cached, vocab, need_dw, hidden.element_size())
+    else:
+        # Each chunk's objective call runs eagerly: ~1.5 ms of host time a chunk, more than a
+        # chunk's GEMMs at small H (0.5B head, 20 chunks: 8.1 GEMMs against 4.1 for two passes).
+        chunks = head.one_pass_chunks(rows, n_c, cached)
+        pin = head.pinned_columns(rows, vocab, chunks, hidden.element_size()) if need_dw and not cached else 0
+        pin = pin if chunks <= head.FUSED_MAX_CHUNKS else -1
+    if not need_grad or pin < 0:
         # Forward-only tiles, the objective on every valid row at once, then (with gradients) the
         # recompute backward with per-row upstreams a, b: bounded memory, dW rounded rarely.
         logp, ent, lse = head._forward(hidden, weight, labels, idx, ignore_index, inv_t, need_grad)
@@ -121,10 +262,11 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
                       entropy=need_entropy)
     pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
+    upstreams = ChunkUpstreams(token_objective, logp, ent, need_entropy, ch.n_c)
     for i, (h_c, idx_c, start, logits) in enumerate(ch):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         r = idx_c if idx_c is not None else torch.arange(start, start + logits.shape[0], device=hidden.device)
-        value, a, b = _coefficients(token_objective, logp[r], ent[r] if need_entropy else None, r, True)
+        value, a, b = upstreams(r)
         total += value
         if a is not None:
             glp[r] = a
