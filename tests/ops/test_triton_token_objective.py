@@ -66,6 +66,18 @@ def _policy_terms(lp, ent, c, ent_coef):
     return (terms * c["w"]).sum()
 
 
+def _recording_objective(consts, seen):
+    """The policy objective on the device; appends each call's rows (on the CPU) to ``seen``."""
+    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
+
+    def objective(lp, ent, rows):
+        seen.append(rows.cpu())
+        assert lp.dtype == torch.float32 and lp.shape == rows.shape
+        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+
+    return objective
+
+
 def _reference(hidden, weight, labels, consts, temperature, need_entropy):
     """float64 log-probs and entropies through plain autograd, the objective on the valid rows:
     ``(h64, w64, lp, ent, want)``, with ``want.backward()`` done."""
@@ -91,13 +103,8 @@ def test_matches_float64_autograd(need_entropy, v, temperature, path):
     valid = labels != IGN
     h64, w64, lp, ent, want = _reference(hidden, weight, labels, consts, temperature, need_entropy)
 
-    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
     seen = []
-
-    def objective(lp, ent, rows):
-        seen.append(rows.cpu())
-        assert lp.dtype == torch.float32 and lp.shape == rows.shape
-        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+    objective = _recording_objective(consts, seen)
 
     h = hidden.float().to(DEV).requires_grad_()
     w = weight.float().to(DEV).requires_grad_()
@@ -198,12 +205,8 @@ def test_cached_first_block_then_chunks(monkeypatch, need_entropy):
     hidden, weight, labels, consts = _inputs(n, hd, v, seed=5)
     valid = labels != IGN
     h64, w64, lp, _, want = _reference(hidden, weight, labels, consts, temperature, need_entropy)
-    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
     seen = []
-
-    def objective(lp, ent, rows):
-        seen.append(rows.cpu())
-        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+    objective = _recording_objective(consts, seen)
 
     h = hidden.float().to(DEV).requires_grad_()
     w = weight.float().to(DEV).requires_grad_()
@@ -245,12 +248,8 @@ def test_path_past_the_one_pass_chunk_limit(monkeypatch, need_dw, replayable):
     n, hd, v, temperature = 61, 24, 151, 0.8
     hidden, weight, labels, consts = _inputs(n, hd, v, seed=11)
     h64, w64, lp, _, want = _reference(hidden, weight, labels, consts, temperature, True)
-    c32 = {k: c.float().to(DEV) for k, c in consts.items()}
     chunks = []
-
-    def objective(lp, ent, rows):
-        chunks.append(rows.numel())
-        return _policy_terms(lp, ent, {k: c[rows] for k, c in c32.items()}, 0.05)
+    objective = _recording_objective(consts, chunks)
 
     h = hidden.float().to(DEV).requires_grad_()
     w = weight.float().to(DEV).requires_grad_(need_dw)
@@ -261,6 +260,8 @@ def test_path_past_the_one_pass_chunk_limit(monkeypatch, need_dw, replayable):
         assert calls == {"two_pass": 1, "pinned": 0} and len(chunks) == 1
     else:
         assert calls == {"two_pass": 0, "pinned": int(need_dw)} and len(chunks) > 1
+    # either way the objective saw every valid row once
+    assert torch.equal(torch.cat(chunks).sort().values, torch.nonzero(labels != IGN).squeeze(1))
     assert abs(float(got) - float(want)) <= TOL * max(abs(float(want)), 1e-3)
     assert _rel(got_lp, lp) < TOL and _rel(h.grad, h64.grad) < TOL
     if need_dw:
