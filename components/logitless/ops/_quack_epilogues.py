@@ -85,18 +85,20 @@ def _tile_max_prepass(acc):
     return {"tile_max": acc}
 
 
-_TILE_MAX = TileRowMax("tile_max")
-_TILE_LABEL = ColVecLoad("target")
+def _tile_stats_spec(entropy: bool) -> dict:
+    """``gemm_epilogue`` arguments of a per-(row, tile) statistics epilogue: the tile max prepass,
+    ``sum 2^x`` (and ``sum 2^x x`` with ``entropy``), the label's accumulator. Each epilogue gets
+    its own op instances."""
+    tile_max, label = TileRowMax("tile_max"), ColVecLoad("target")
+    reduces = {"sum_exp": ColVecReduce("sum_exp")}
+    if entropy:
+        reduces["sum_exp_x"] = ColVecReduce("sum_exp_x", scaled=True)
+    return dict(ops={"tile_max": tile_max}, prepass=_tile_max_prepass, prepass_outs=("tile_max",),
+                reduces=reduces, outs={"target_acc": ColVecSelect("target_acc", idx_op=label)},
+                extra_ops=(tile_max.out("tile_max_out"), label))
 
 
-@gemm_epilogue(
-    ops={"tile_max": _TILE_MAX},
-    prepass=_tile_max_prepass,
-    prepass_outs=("tile_max",),
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_exp_x": ColVecReduce("sum_exp_x", scaled=True)},
-    outs={"target_acc": ColVecSelect("target_acc", idx_op=_TILE_LABEL)},
-    extra_ops=(_TILE_MAX.out("tile_max_out"), _TILE_LABEL),
-)
+@gemm_epilogue(**_tile_stats_spec(entropy=True))
 def _tile_entropy_stats(acc, tile_max, log2e_over_t):
     """Per (row, tile): ``sum 2^x`` and ``sum 2^x x`` of ``x = (acc - tile max) log2(e) / T``; the
     label's fp32 accumulator."""
@@ -105,18 +107,7 @@ def _tile_entropy_stats(acc, tile_max, log2e_over_t):
     return {"sum_exp": e, "sum_exp_x": (e, x), "target_acc": acc}
 
 
-_ROUNDED_TILE_MAX = TileRowMax("tile_max")
-_ROUNDED_TILE_LABEL = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"tile_max": _ROUNDED_TILE_MAX},
-    prepass=_tile_max_prepass,
-    prepass_outs=("tile_max",),
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_exp_x": ColVecReduce("sum_exp_x", scaled=True)},
-    outs={"target_acc": ColVecSelect("target_acc", idx_op=_ROUNDED_TILE_LABEL)},
-    extra_ops=(_ROUNDED_TILE_MAX.out("tile_max_out"), _ROUNDED_TILE_LABEL),
-)
+@gemm_epilogue(**_tile_stats_spec(entropy=True))
 def _rounded_tile_entropy_stats(acc, tile_max, log2e_over_t):
     """:func:`_tile_entropy_stats` of the accumulator rounded to bf16, the logits that the backward's
     cuBLAS recompute sees: the log-sum-exp it is handed must be theirs, or its softmax does not sum
@@ -128,18 +119,7 @@ def _rounded_tile_entropy_stats(acc, tile_max, log2e_over_t):
     return {"D": acc, "sum_exp": e, "sum_exp_x": (e, x), "target_acc": a}
 
 
-_LSE_TILE_MAX = TileRowMax("tile_max")
-_LSE_TILE_LABEL = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"tile_max": _LSE_TILE_MAX},
-    prepass=_tile_max_prepass,
-    prepass_outs=("tile_max",),
-    reduces={"sum_exp": ColVecReduce("sum_exp")},
-    outs={"target_acc": ColVecSelect("target_acc", idx_op=_LSE_TILE_LABEL)},
-    extra_ops=(_LSE_TILE_MAX.out("tile_max_out"), _LSE_TILE_LABEL),
-)
+@gemm_epilogue(**_tile_stats_spec(entropy=False))
 def _rounded_tile_lse_stats(acc, tile_max, log2e_over_t):
     """:func:`_rounded_tile_entropy_stats` without ``sum 2^x x`` (no entropy): cross-entropy's chunks,
     whose per-tile statistics then take two thirds of the memory."""

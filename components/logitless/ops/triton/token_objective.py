@@ -28,6 +28,7 @@ the forward-only slab pass runs (1 GEMM).
 around it.
 """
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -78,14 +79,10 @@ def _upstreams_of(token_objective: TokenObjective, logp: torch.Tensor, ent: Opti
     return value.float(), grads[0].float(), (grads[1].float() if len(argnums) > 1 else None)
 
 
-_compiled_upstreams = None
-
-
+@functools.cache
 def _compiled():
-    global _compiled_upstreams
-    if _compiled_upstreams is None:
-        _compiled_upstreams = torch.compile(_upstreams_of)
-    return _compiled_upstreams
+    """``torch.compile(_upstreams_of)``, made on first use (importing dynamo costs start-up time)."""
+    return torch.compile(_upstreams_of)
 
 
 class ChunkUpstreams:
@@ -133,7 +130,15 @@ class ChunkUpstreams:
 
     @staticmethod
     def replayable(token_objective: TokenObjective, hidden: torch.Tensor) -> bool:
-        """Whether a call's full chunks will be replayed from a CUDA graph (as far as known before it)."""
+        """Whether a call's full chunks will be replayed from a CUDA graph (as far as known before it).
+
+        Args:
+            token_objective (Callable): the call's objective.
+            hidden (torch.Tensor): any tensor of the call (its device decides).
+
+        Returns:
+            bool: the graph knob is on, the call is on CUDA and this objective's capture never failed.
+        """
         return (OBJECTIVE_GRAPH and hidden.is_cuda
                 and getattr(token_objective, "__code__", None) not in _UNCAPTURABLE)
 
@@ -144,11 +149,11 @@ class ChunkUpstreams:
 
     def _call(self, rows: torch.Tensor, capturing: bool = False):
         if self.compile:
-            if capturing:  # compiled by the uncaptured run before; a failure here is the capture's
-                return _compiled()(self.objective, self.logp, self.ent, rows, self.argnums)
             try:
                 return _compiled()(self.objective, self.logp, self.ent, rows, self.argnums)
             except Exception:  # noqa: BLE001 -- an objective torch.compile cannot take runs eagerly
+                if capturing:  # compiled by the uncaptured run before: the capture failed
+                    raise
                 self.compile = False
                 _UNCOMPILABLE.add(self.code)
         return self.eager(rows)
