@@ -231,20 +231,40 @@ def test_token_objective_compiled_and_replayed_equals_eager(monkeypatch, sync):
     captured = []
     capture = T.ChunkUpstreams._capture
     monkeypatch.setattr(T.ChunkUpstreams, "_capture", lambda self, r: captured.append(capture(self, r)) or captured[-1])
+    eager_calls = []
+    coefficients = T._coefficients
+    monkeypatch.setattr(T, "_coefficients", lambda *a: eager_calls.append(1) or coefficients(*a))
     results = {}
     for compiled in (True, False):
         for graph in (True, False):
             monkeypatch.setattr(T, "OBJECTIVE_COMPILE", compiled)
             monkeypatch.setattr(T, "OBJECTIVE_GRAPH", graph)
             monkeypatch.setattr(T, "_UNCAPTURABLE", set())  # each call as the process's first
+            monkeypatch.setattr(T, "_WARM", set())
             hidden.grad = weight.grad = None
+            eager_calls.clear()
             loss, logp, ent = linear_token_objective(hidden, weight, labels, objective, need_entropy=True,
                                                      impl="triton")
             loss.backward()
             results[compiled, graph] = (loss.detach(), logp, ent, hidden.grad, weight.grad)
             # a failed capture sends the objective's later calls to the eager chunk rule
             assert (objective.__code__ in T._UNCAPTURABLE) == (graph and sync)
-    assert captured == [not sync, not sync]
+            if compiled and graph and not sync:
+                # a second call, warm: its first full chunk is captured at once; the same numbers
+                hidden.grad = weight.grad = None
+                n_captured = len(captured)
+                loss, logp, ent = linear_token_objective(hidden, weight, labels, objective, need_entropy=True,
+                                                         impl="triton")
+                loss.backward()
+                assert len(captured) == n_captured + 1
+                for a, b in zip((loss.detach(), logp, ent, hidden.grad, weight.grad), results[compiled, graph]):
+                    assert torch.equal(a, b)
+            # compiled, no chunk (the shorter last one included) runs the eager objective
+            if compiled and not sync:
+                assert not eager_calls
+            elif not compiled:
+                assert eager_calls
+    assert captured == ([True] * 3 if not sync else [False, False])
     for compiled in (True, False):
         for a, b in zip(results[compiled, True], results[compiled, False]):
             assert torch.equal(a, b)

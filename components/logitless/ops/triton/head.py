@@ -258,6 +258,21 @@ class _Chunks:
             yield h_c, idx_c, start, logits
 
 
+def queued_chunks(hidden, weight, idx, labels, inv_t, entropy):
+    """:class:`_Chunks` of the one pass with its first chunk's logits GEMM queued at once.
+
+    The one pass's setup (row outputs, gradient buffers, pinned columns) is a few small kernels;
+    after validation's host sync the GPU would otherwise idle while the host issues each of them.
+
+    Returns:
+        Tuple[_Chunks, Iterator]: the chunks, and an iterator over all of them (the first included).
+    """
+    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, labels=labels, inv_t=inv_t, entropy=entropy)
+    chunks = iter(ch)
+    first = next(chunks, None)
+    return ch, itertools.chain([first] if first is not None else [], chunks)
+
+
 def _row_stats(ch, logits, inv_t):
     rows, vocab = logits.shape
     kernels.row_stats_kernel[(rows, ch.splits)](
@@ -875,13 +890,9 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     n_c = one_pass_rows(rows, hidden, weight, WORKSPACE_BYTES)
     cached = cached_block_rows(rows, n_c, weight.shape[1], need_dw)
     pin = one_pass_pins(rows, n_c, cached, weight.shape[0], need_dw, hidden.element_size())
-    chunks = first_chunk = None
+    ch = chunks = None
     if pin >= 0 and not cached:
-        # The first chunk's logits GEMM is queued before the small setup kernels below: after
-        # validation's host sync the GPU would otherwise idle while the host issues each of them.
-        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, labels=labels, inv_t=inv_t, entropy=False)
-        chunks = iter(ch)
-        first_chunk = next(chunks, None)
+        ch, chunks = queued_chunks(hidden, weight, idx, labels, inv_t, entropy=False)
     logp, ent, lse = row_outputs(hidden, n)
     count = (labels != ignore_index).sum()
     coef = (1.0 / count.clamp(min=1).float()) if mean else hidden.new_ones((), dtype=torch.float32)
@@ -903,14 +914,14 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
         chunks = iter(ch)
     pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden, ch.n_c) \
         if pin > 0 else None
-    for i, (h_c, idx_c, start, logits) in enumerate(itertools.chain([first_chunk] if first_chunk else [], chunks)):
+    for i, (h_c, idx_c, start, logits) in enumerate(chunks):
         _stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         _dlogits(ch, logits, idx_c, start, labels, lse, None, None, None, coef, inv_t, ignore_index)
         _grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                i == 0 and not cached, pinned)
     if pinned is not None:
         # the logits workspace is free before the pinned rows' GEMM
-        ch = chunks = first_chunk = logits = h_c = None
+        ch = chunks = logits = h_c = None
         pinned.finish(dw, hidden, idx)
     loss = -(logp.sum() * coef)
     return loss, dh, dw

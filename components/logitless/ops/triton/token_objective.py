@@ -13,7 +13,7 @@ forward plus a recomputing backward (four). Backward only scales dh and dW by th
 
 Paths and workspace are those of :func:`logitless.ops.triton.head.ce_fused`: ignored rows are
 compacted away first; row chunks of full-V logits fit ``head.WORKSPACE_BYTES``. Each chunk calls
-the objective; on CUDA its full chunks run a compiled ``torch.func.grad_and_value`` of it, replayed
+the objective; on CUDA a compiled ``torch.func.grad_and_value`` of it, the full chunks' call replayed
 from a CUDA graph (:class:`ChunkUpstreams`), so the one pass runs where cross-entropy's does
 (``head.one_pass_pins``: a frozen head at any chunk count; with dW up to ``head.FUSED_MAX_CHUNKS``
 chunks, or up to ``head.PINNED_MAX_CHUNKS`` with pinned label columns, ``head.PinnedColumns``,
@@ -68,65 +68,92 @@ OBJECTIVE_GRAPH = settings.triton_objective_graph
 _UNCOMPILABLE = set()
 #: Code objects of objectives that failed to be captured: their calls keep the eager chunk rule.
 _UNCAPTURABLE = set()
+#: ``(code, with entropy)`` of objectives whose compiled call has run uncaptured in this process:
+#: a later call captures its first full chunk at once.
+_WARM = set()
 
 
 def _upstreams_of(token_objective: TokenObjective, logp: torch.Tensor, ent: Optional[torch.Tensor],
-                  rows: torch.Tensor, argnums: Tuple[int, ...]):
-    """``(value, a, b)`` of the objective on ``rows`` by ``torch.func`` (traceable by torch.compile)."""
+                  rows: torch.Tensor):
+    """``(value, a, b)`` of the objective on ``rows`` by ``torch.func`` (traceable by torch.compile).
+
+    ``b`` (the entropy's upstream) is None without ``ent``, zeros where the objective ignores it.
+    """
     lp = logp[rows]
     en = ent[rows] if ent is not None else None
+    argnums = (0,) if en is None else (0, 1)
     grads, value = torch.func.grad_and_value(lambda x, y: token_objective(x, y, rows), argnums=argnums)(lp, en)
-    return value.float(), grads[0].float(), (grads[1].float() if len(argnums) > 1 else None)
+    return value.float(), grads[0].float(), (grads[1].float() if en is not None else None)
 
 
 @functools.cache
 def _compiled():
     """``torch.compile(_upstreams_of)``, made on first use (importing dynamo costs start-up time)."""
-    return torch.compile(_upstreams_of)
+    # dynamic from the start: one graph for full and shorter chunks, the same kernels for both
+    return torch.compile(_upstreams_of, dynamic=True)
+
+
+@functools.cache
+def _capture_resources(device: torch.device):
+    """The side stream and the memory pool every capture on ``device`` uses.
+
+    One pool for all calls: a capture reuses the blocks the previous call's graph freed instead
+    of allocating new ones (a graph is never replayed after its ``linear_token_objective`` call;
+    ``_LAST_GRAPH`` keeps the latest alive so that the pool, and its blocks, stay between calls).
+    """
+    return torch.cuda.Stream(device=device), torch.cuda.graph_pool_handle()
+
+
+#: The latest captured graph per device (see ``_capture_resources``).
+_LAST_GRAPH = {}
 
 
 class ChunkUpstreams:
-    """The objective's value and per-row upstreams ``(a, b)`` of each chunk of the one pass.
+    """Each chunk's objective: adds its value to ``total`` and writes its per-row upstreams
+    ``a = d obj / d logp``, ``b = d obj / d ent`` into ``glp``, ``gent`` at the chunk's rows.
 
-    Each chunk calls the Python objective and its autograd: about fifty small kernels whose launch
-    and Python time (~1.5 ms a chunk) exceed a chunk's GEMMs at small H (0.5B head: 1.2 ms), and
-    whose GPU time adds ~0.1 ms a chunk. On CUDA:
+    An eager call of the Python objective and its autograd is about fifty small kernels whose launch
+    and Python time (~1.5 ms) exceed a chunk's GEMMs at small H (0.5B head: 1.2 ms). On CUDA:
 
-    * the first full chunk runs eagerly (autograd): it checks the objective and shows which of
-      ``a``, ``b`` it has (an unused entropy gets no ``b``);
-    * with ``OBJECTIVE_COMPILE``, later full chunks run ``torch.compile(torch.func.grad_and_value)``
-      of the objective (a few fused kernels; compiled once per process, then dynamic shapes);
-    * with ``OBJECTIVE_GRAPH``, that call (compiled or not) is captured into a CUDA graph on a side
-      stream (no device sync) reading its rows from a static index, after one uncaptured run; every
-      later full chunk copies its rows in and replays it.
+    * with ``OBJECTIVE_COMPILE``, every chunk runs ``torch.compile(torch.func.grad_and_value)`` of the
+      objective (a few fused kernels; compiled once per process, then dynamic shapes). With the
+      entropy it always returns ``b`` (zeros where the objective ignores the entropy: the dlogits
+      pass then adds a zero term, which costs less than an eager call to find out);
+    * with ``OBJECTIVE_GRAPH``, the full chunks' call (compiled or not), the scatter of ``a``, ``b``
+      and the add to ``total`` are captured into one CUDA graph on a side stream (no device sync)
+      reading the rows from a static index, after one uncaptured run (at the first full chunk where
+      the compiled call already ran in this process; should that capture fail, after a run); every
+      later full chunk copies its rows in and replays it: two host calls a chunk.
 
-    A shorter chunk (the last) runs eagerly. An objective that fails to compile or to be captured (a
-    host sync, CPU tensors) falls back to the eager call. The graph and its memory pool live as long
-    as this object: one ``linear_token_objective`` call.
+    Elsewhere (CPU, the knobs off) every chunk runs eagerly. An objective that fails to compile or to
+    be captured (a host sync, CPU tensors) falls back to the eager call and is remembered. The graph
+    and its memory pool live as long as this object: one ``linear_token_objective`` call.
 
     Args:
         token_objective (Callable): see :func:`token_objective_fused`.
-        logp, ent (torch.Tensor): fp32 ``(N,)`` row outputs the chunks' statistics fill.
-        need_entropy (bool): pass the entropy to the objective.
+        logp, ent (torch.Tensor): fp32 ``(N,)`` row outputs the chunks' statistics fill (``ent``
+            None: the objective gets no entropy).
+        glp, gent (torch.Tensor): fp32 ``(N,)`` upstreams to fill (``gent`` None without ``ent``).
+        total (torch.Tensor): fp32 scalar the chunks' values are added to.
         chunk_rows (int): rows of a full chunk.
 
     Example:
-        >>> upstreams = ChunkUpstreams(objective, logp, ent, True, 768)
-        >>> value, a, b = upstreams(rows)  # after the chunk's statistics are in logp / ent
+        >>> upstreams = ChunkUpstreams(objective, logp, ent, glp, gent, total, 768)
+        >>> has_b = upstreams(rows)  # after the chunk's statistics are in logp / ent
     """
 
-    def __init__(self, token_objective: TokenObjective, logp: torch.Tensor, ent: torch.Tensor,
-                 need_entropy: bool, chunk_rows: int):
-        self.objective, self.logp = token_objective, logp
-        self.ent = ent if need_entropy else None
+    def __init__(self, token_objective: TokenObjective, logp: torch.Tensor, ent: Optional[torch.Tensor],
+                 glp: torch.Tensor, gent: Optional[torch.Tensor], total: torch.Tensor, chunk_rows: int):
+        self.objective, self.logp, self.ent = token_objective, logp, ent
+        self.glp, self.gent, self.total = glp, gent, total
         self.chunk_rows = chunk_rows
         self.code = getattr(token_objective, "__code__", None)
         self.compile = (OBJECTIVE_COMPILE and logp.is_cuda and self.code is not None
                         and self.code not in _UNCOMPILABLE)
         self.graph_on = OBJECTIVE_GRAPH and logp.is_cuda
-        self.argnums = None  # (0,) or (0, 1): which upstreams the objective has; None until seen
-        self.calls = 0
-        self.graph = self.rows = self.out = None
+        self.warm_key = (self.code, ent is not None)
+        self.ran = False  # a full chunk has run uncaptured in this call
+        self.graph = self.rows = self.has_b = None
 
     @staticmethod
     def replayable(token_objective: TokenObjective, hidden: torch.Tensor) -> bool:
@@ -142,58 +169,76 @@ class ChunkUpstreams:
         return (OBJECTIVE_GRAPH and hidden.is_cuda
                 and getattr(token_objective, "__code__", None) not in _UNCAPTURABLE)
 
-    def eager(self, rows: torch.Tensor):
-        """The objective and its autograd on ``rows``: ``(value, a, b)``."""
-        return _coefficients(self.objective, self.logp[rows], self.ent[rows] if self.ent is not None else None,
-                             rows, True)
-
-    def _call(self, rows: torch.Tensor, capturing: bool = False):
+    def _upstreams(self, rows: torch.Tensor, capturing: bool = False):
+        """``(value, a, b)`` on ``rows``: compiled where possible, else eager autograd."""
         if self.compile:
             try:
-                return _compiled()(self.objective, self.logp, self.ent, rows, self.argnums)
+                return _compiled()(self.objective, self.logp, self.ent, rows)
             except Exception:  # noqa: BLE001 -- an objective torch.compile cannot take runs eagerly
                 if capturing:  # compiled by the uncaptured run before: the capture failed
                     raise
                 self.compile = False
                 _UNCOMPILABLE.add(self.code)
-        return self.eager(rows)
+        return _coefficients(self.objective, self.logp[rows], self.ent[rows] if self.ent is not None else None,
+                             rows, True)
 
-    def __call__(self, rows: torch.Tensor):
-        if self.argnums is None or rows.numel() != self.chunk_rows:
-            out = self.eager(rows)
-            if self.argnums is None and rows.numel() == self.chunk_rows:
-                if out[1] is None:  # no gradient at all: nothing to compile or replay
-                    self.compile = self.graph_on = False
-                self.argnums = (0, 1) if out[2] is not None else (0,)
-            return out
-        self.calls += 1
-        if not self.graph_on or self.calls == 1:  # the first run compiles / initialises lazily
-            return self._call(rows)
-        if self.graph is None and not self._capture(rows):
-            self.graph_on = False
-            if self.code is not None:
-                _UNCAPTURABLE.add(self.code)
-            return self._call(rows)
+    def _apply(self, rows: torch.Tensor, capturing: bool = False) -> bool:
+        value, a, b = self._upstreams(rows, capturing)
+        self.total.add_(value)
+        if a is not None:
+            self.glp.index_copy_(0, rows, a)
+        if b is not None:
+            self.gent.index_copy_(0, rows, b)
+        return b is not None
+
+    def __call__(self, rows: torch.Tensor) -> bool:
+        """Adds the objective of ``rows`` to ``total``, fills their upstreams.
+
+        Args:
+            rows (torch.Tensor): int64 indices of the chunk's rows into the ``N`` rows.
+
+        Returns:
+            bool: whether ``gent`` was written (the objective has an entropy upstream).
+        """
+        if rows.numel() != self.chunk_rows or not self.graph_on:
+            return self._apply(rows)
+        if self.graph is None:
+            warm = self.compile and self.warm_key in _WARM
+            if not (warm or self.ran):  # the first run compiles / initialises lazily: not capturable
+                self.ran = True
+                has_b = self._apply(rows)
+                if self.compile:
+                    _WARM.add(self.warm_key)
+                return has_b
+            if not self._capture(rows):
+                if not self.ran:  # warm, but this closure may need a recompile: capture after a run
+                    self.ran = True
+                    return self._apply(rows)
+                self.graph_on = False
+                if self.code is not None:
+                    _UNCAPTURABLE.add(self.code)
+                return self._apply(rows)
         self.rows.copy_(rows)
         self.graph.replay()
-        return self.out
+        return self.has_b
 
     def _capture(self, rows: torch.Tensor) -> bool:
         self.rows = rows.clone()
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device=rows.device)
+        graph, (side, pool) = torch.cuda.CUDAGraph(), _capture_resources(rows.device)
         side.wait_stream(torch.cuda.current_stream(rows.device))
         try:
             with torch.cuda.stream(side):
                 # thread_local: other threads (NCCL's watchdog, data loading) keep their CUDA calls
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    out = self._call(self.rows, capturing=True)
+                    has_b = self._apply(self.rows, capturing=True)
                 finally:
                     graph.capture_end()
         except Exception:  # noqa: BLE001 -- any failure of the capture means: no graph
             return False
         torch.cuda.current_stream(rows.device).wait_stream(side)
-        self.graph, self.out = graph, out
+        self.graph, self.has_b = graph, has_b
+        _LAST_GRAPH[rows.device] = graph
         return True
 
 
@@ -249,6 +294,9 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
             dh, dw = head._slab_backward(hidden, weight, labels, idx, lse, ent if gent is not None else None,
                                          glp, gent, None, inv_t, ignore_index, need_dh, need_dw)
         return value, logp, ent, dh, dw
+    ch = chunks = None
+    if not cached:
+        ch, chunks = head.queued_chunks(hidden, weight, idx, labels, inv_t, need_entropy)
     logp, ent, lse = head.row_outputs(hidden, n)
     # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
     glp = hidden.new_zeros((n,), dtype=torch.float32)
@@ -264,25 +312,21 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
-    ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
-                      entropy=need_entropy)
+        ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
+                          entropy=need_entropy)
+        chunks = iter(ch)
     pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
-    upstreams = ChunkUpstreams(token_objective, logp, ent, need_entropy, ch.n_c)
-    for i, (h_c, idx_c, start, logits) in enumerate(ch):
+    upstreams = ChunkUpstreams(token_objective, logp, ent if need_entropy else None, glp, gent, total, ch.n_c)
+    for i, (h_c, idx_c, start, logits) in enumerate(chunks):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         r = idx_c if idx_c is not None else torch.arange(start, start + logits.shape[0], device=hidden.device)
-        value, a, b = upstreams(r)
-        total += value
-        if a is not None:
-            glp[r] = a
-        if b is not None:
-            gent[r] = b
-        head._dlogits(ch, logits, idx_c, start, labels, lse, ent if b is not None else None,
-                      glp, gent if b is not None else None, None, inv_t, ignore_index)
+        has_b = upstreams(r)
+        head._dlogits(ch, logits, idx_c, start, labels, lse, ent if has_b else None,
+                      glp, gent if has_b else None, None, inv_t, ignore_index)
         head._grads(ch, logits, h_c, idx_c, start, dh if need_dh else None, dw if need_dw else None,
                     i == 0 and not cached, pinned)
     if pinned is not None:
-        ch = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
+        ch = chunks = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
         pinned.finish(dw, hidden, idx)
     return total, logp, ent, dh, dw
 
