@@ -13,7 +13,6 @@ Example::
 """
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -23,6 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_head as B  # noqa: E402
+
+
+#: The CSV's columns.
+FIELDS = ["gpu", "torch", "triton", "quack", "date", "ignore_frac", "shape", "n", "h", "v", "gemm_ms",
+          "ce_gemms", "obj_gemms", "obj_over_ce", "obj_over_ce_min", "obj_over_ce_max"]
 
 
 def _event_ms(fn):
@@ -72,7 +76,7 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 quack=B._peer_versions().get("quack-kernels", ""),
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), ignore_frac=args.ignore_frac)
-    rows = []
+    rows = B._Rows(args.out, FIELDS)  # each row written as soon as it is measured
     for shape in args.shapes.split(","):
         n, hid, v = B.SHAPES[shape]
         r = dict(meta, shape=shape, n=n, h=hid, v=v, **measure(shape, args.ignore_frac, args.reps, args.warmup))
@@ -80,13 +84,6 @@ def main():
         print(f"{shape:8s} GEMM {r['gemm_ms']:7.3f} ms  CE {r['ce_gemms']:.3f}  objective {r['obj_gemms']:.3f} "
               f"GEMMs  objective / CE {r['obj_over_ce']:.4f} ({r['obj_over_ce_min']:.4f}-{r['obj_over_ce_max']:.4f})",
               flush=True)
-    if args.out:
-        new = not os.path.exists(args.out)
-        with open(args.out, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ class ChunkUpstreams:
 
     Elsewhere (CPU, the knobs off) every chunk runs eagerly. An objective that fails to compile or to
     be captured (a host sync, CPU tensors) falls back to the eager call and is remembered. The graph
-    and its memory pool live as long as this object: one ``linear_token_objective`` call.
+    is replayed only within this object's ``linear_token_objective`` call; its memory pool is shared
+    by every call on the device (``_capture_resources``).
 
     Args:
         token_objective (Callable): see :func:`token_objective_fused`.
