@@ -15,7 +15,6 @@ Example::
 """
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -27,6 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_head as B  # noqa: E402
 
+#: The CSV's columns.
+FIELDS = ["gpu", "torch", "triton", "date", "ignore_frac", "shape", "n", "h", "v", "mode", "path", "ms", "gemms",
+          "host_ms", "err_out", "err_dh", "err_dw"]
 #: Extra shapes: the GRPO config's 1.5B head over a micro-batch of 16 completions x 512 tokens.
 SHAPES = dict(B.SHAPES, qwen15b_grpo=(8192, 1536, 151936))
 
@@ -110,16 +112,10 @@ def main():
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), ignore_frac=args.ignore_frac)
-    rows = []
+    rows = B._Rows(args.out, FIELDS)  # each shape's rows written as soon as they are measured
     for shape in args.shapes.split(","):
-        rows += [dict(meta, **r) for r in measure(shape, args.ignore_frac, args.reps, args.warmup)]
-    if args.out:
-        new = not os.path.exists(args.out)
-        with open(args.out, "a", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                wr.writeheader()
-            wr.writerows(rows)
+        for r in measure(shape, args.ignore_frac, args.reps, args.warmup):
+            rows.append(dict(meta, **r))
     print("| shape | mode | path | GEMMs | ms | host ms | err dh | err dW |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

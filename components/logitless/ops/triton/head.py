@@ -258,16 +258,17 @@ class _Chunks:
             yield h_c, idx_c, start, logits
 
 
-def queued_chunks(hidden, weight, idx, labels, inv_t, entropy):
+def queued_chunks(hidden, weight, idx, labels, inv_t, entropy, first=0):
     """:class:`_Chunks` of the one pass with its first chunk's logits GEMM queued at once.
 
     The one pass's setup (row outputs, gradient buffers, pinned columns) is a few small kernels;
     after validation's host sync the GPU would otherwise idle while the host issues each of them.
+    ``first``: rows already done by the cached first block (:func:`_cached_block`).
 
     Returns:
         Tuple[_Chunks, Iterator]: the chunks, and an iterator over all of them (the first included).
     """
-    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, labels=labels, inv_t=inv_t, entropy=entropy)
+    ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=first, labels=labels, inv_t=inv_t, entropy=entropy)
     chunks = iter(ch)
     first = next(chunks, None)
     return ch, itertools.chain([first] if first is not None else [], chunks)
@@ -909,9 +910,7 @@ def ce_fused(hidden, weight, labels, ignore_index: int, temperature: float, mean
     if cached:
         logp, ent, lse = _cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                        dh if need_dh else None, dw, lambda *_: (coef, None, None))
-        ch = _Chunks(hidden, weight, idx, WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
-                     entropy=False)
-        chunks = iter(ch)
+        ch, chunks = queued_chunks(hidden, weight, idx, labels, inv_t, entropy=False, first=cached)
     pinned = PinnedColumns(labels, idx, ignore_index, pin, rows, weight.shape[0], hidden, ch.n_c) \
         if pin > 0 else None
     for i, (h_c, idx_c, start, logits) in enumerate(chunks):

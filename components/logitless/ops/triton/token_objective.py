@@ -176,7 +176,7 @@ class ChunkUpstreams:
             try:
                 return _compiled()(self.objective, self.logp, self.ent, rows)
             except Exception:  # noqa: BLE001 -- an objective torch.compile cannot take runs eagerly
-                if capturing:  # compiled by the uncaptured run before: the capture failed
+                if capturing:  # compiled by an uncaptured run before: the capture failed
                     raise
                 self.compile = False
                 _UNCOMPILABLE.add(self.code)
@@ -204,24 +204,27 @@ class ChunkUpstreams:
         if rows.numel() != self.chunk_rows or not self.graph_on:
             return self._apply(rows)
         if self.graph is None:
-            warm = self.compile and self.warm_key in _WARM
-            if not (warm or self.ran):  # the first run compiles / initialises lazily: not capturable
-                self.ran = True
-                has_b = self._apply(rows)
-                if self.compile:
-                    _WARM.add(self.warm_key)
-                return has_b
-            if not self._capture(rows):
-                if not self.ran:  # warm, but this closure may need a recompile: capture after a run
-                    self.ran = True
-                    return self._apply(rows)
-                self.graph_on = False
-                if self.code is not None:
-                    _UNCAPTURABLE.add(self.code)
-                return self._apply(rows)
+            # capture once warm: after this call's first run, or at once where the compiled call
+            # already ran in this process (the first run compiles / initialises lazily)
+            warm = self.ran or (self.compile and self.warm_key in _WARM)
+            if not (warm and self._capture(rows)):
+                return self._run_uncaptured(rows, capture_failed=warm)
         self.rows.copy_(rows)
         self.graph.replay()
         return self.has_b
+
+    def _run_uncaptured(self, rows: torch.Tensor, capture_failed: bool) -> bool:
+        # A capture that failed after a run of this call turns the graph off for good; one that
+        # failed before (warm, but this closure may need a recompile) is retried after this run.
+        if capture_failed and self.ran:
+            self.graph_on = False
+            if self.code is not None:
+                _UNCAPTURABLE.add(self.code)
+        self.ran = True
+        has_b = self._apply(rows)
+        if self.compile:
+            _WARM.add(self.warm_key)
+        return has_b
 
     def _capture(self, rows: torch.Tensor) -> bool:
         self.rows = rows.clone()
@@ -313,9 +316,7 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
 
         logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
                                             dh if need_dh else None, dw, block_upstream)
-        ch = head._Chunks(hidden, weight, idx, head.WORKSPACE_BYTES, first=cached, labels=labels, inv_t=inv_t,
-                          entropy=need_entropy)
-        chunks = iter(ch)
+        ch, chunks = head.queued_chunks(hidden, weight, idx, labels, inv_t, need_entropy, first=cached)
     pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
     upstreams = ChunkUpstreams(token_objective, logp, ent if need_entropy else None, glp, gent, total, ch.n_c)
     for i, (h_c, idx_c, start, logits) in enumerate(chunks):
