@@ -314,7 +314,9 @@ class _with_head_gemm:
 def _linear_obj(h, w, y, adv, old, impl):
     from logitless.ops import linear_token_objective
 
-    objective = lambda lp, ent, rows: grpo_terms(lp, ent, rows, y, adv, old)  # noqa: E731
+    # grpo_terms' objective as GRPOLoss hands it to the head: constants named (a RowObjective)
+    valid = y != IGN
+    objective = _grpo().row_objective(adv, valid.float() / valid.sum().clamp(min=1), valid, old)
     return linear_token_objective(h, w, y, objective, ignore_index=IGN, need_entropy=True, impl=impl)[0]
 
 

@@ -215,6 +215,70 @@ def _grpo_like_objective(labels, seed, sync=False):
     return objective
 
 
+def _grpo_row_objective(labels, seed, coef=0.01):
+    """The GRPO-like objective as a RowObjective: the same terms, constants named."""
+    from logitless.ops import RowObjective
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    consts = {"adv": torch.randn(labels.shape, device="cuda", generator=gen),
+              "old": -5.0 + 0.3 * torch.randn(labels.shape, device="cuda", generator=gen),
+              "weight": (labels != IGN).float() / (labels != IGN).sum()}
+
+    def fn(lp, ent, c):
+        ratio = torch.exp(lp - c["old"])
+        terms = -torch.minimum(ratio * c["adv"], ratio.clamp(0.8, 1.28) * c["adv"]) - coef * ent
+        return (terms * c["weight"]).sum()
+
+    return RowObjective(fn, consts, key=coef)
+
+
+def test_row_objective_graph_is_kept_across_calls(monkeypatch):
+    # A RowObjective's per-chunk graph is captured once and replayed by later calls with other
+    # constants (new advantages and old log-probs), which give the bits of the same calls run
+    # without a graph; an earlier call's outputs are not overwritten; another key (coefficient)
+    # or more rows than the kept buffers hold capture anew.
+    from logitless.ops import linear_token_objective
+    from logitless.ops.triton import token_objective as T
+
+    monkeypatch.setattr(T.ChunkUpstreams, "replayable", staticmethod(lambda *a: True))
+    monkeypatch.setattr(T, "OBJECTIVE_COMPILE", True)
+    monkeypatch.setattr(T, "_KEPT", type(T._KEPT)())
+    monkeypatch.setattr(T, "_UNCAPTURABLE", set())
+    captured = []
+    capture = T.ChunkUpstreams._capture
+    monkeypatch.setattr(T.ChunkUpstreams, "_capture", lambda self, r: captured.append(capture(self, r)) or captured[-1])
+
+    def run(hidden, weight, labels, objective, graph):
+        monkeypatch.setattr(T, "OBJECTIVE_GRAPH", graph)
+        hidden.grad = weight.grad = None
+        loss, logp, ent = linear_token_objective(hidden, weight, labels, objective, need_entropy=True, impl="triton")
+        loss.backward()
+        return loss.detach(), logp, ent, hidden.grad, weight.grad
+
+    def attempts(*args):
+        # the call's capture attempts: a capture that compiles (another key: a recompile) can fail
+        # on cold compile caches and is retried after a run; one success per new graph
+        before = len(captured)
+        return run(*args, True), captured[before:]
+
+    hidden, weight, labels = _inputs(16384, 896, 151936, seed=9, ignore_frac=0.1)
+    objectives = [_grpo_row_objective(labels, seed=s) for s in (10, 11, 12)]  # one key: one graph
+    objectives += [_grpo_row_objective(labels, seed=13, coef=0.02)]  # another key: a second graph
+    kept, tries = zip(*(attempts(hidden, weight, labels, objective) for objective in objectives))
+    want = [run(hidden, weight, labels, objective, False) for objective in objectives]
+    assert tries[0].count(True) == 1 and tries[1] == tries[2] == [] and tries[3].count(True) == 1
+    for got, exp in zip(kept, want):
+        for a, b in zip(got, exp):
+            assert torch.equal(a, b)
+    assert _rel(kept[1][0], kept[0][0]) > 1e-3  # other constants, another value: really replayed anew
+    more = _inputs(20000, 896, 151936, seed=14, ignore_frac=0.1)  # past the kept 16384 rows
+    got, tried = attempts(*more, _grpo_row_objective(more[2], seed=15))
+    exp = run(*more, _grpo_row_objective(more[2], seed=15), False)
+    assert tried.count(True) == 1
+    for a, b in zip(got, exp):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_token_objective_compiled_and_replayed_equals_eager(monkeypatch, sync):
     # 0.5B head, 16384 rows: ~20 one-pass chunks. Replaying the per-chunk objective from a CUDA

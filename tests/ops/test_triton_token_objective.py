@@ -200,7 +200,7 @@ def test_cached_first_block_then_chunks(monkeypatch, need_entropy):
     monkeypatch.setattr(head, "CACHE_FIRST_BLOCK", True)
     blocks = []
     cached_block = head._cached_block
-    monkeypatch.setattr(head, "_cached_block", lambda *a: blocks.append(a[4]) or cached_block(*a))
+    monkeypatch.setattr(head, "_cached_block", lambda *a, **k: blocks.append(a[4]) or cached_block(*a, **k))
     n, hd, v, temperature = 41, 8, 151, 0.9
     hidden, weight, labels, consts = _inputs(n, hd, v, seed=5)
     valid = labels != IGN
@@ -302,3 +302,69 @@ def test_functorch_upstreams_equal_autograd(compiled, need_entropy, entropy_coef
     for a, b in zip(got, want):
         if b is not None:
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def _row_objective_call(impl, consts, hidden, weight, labels, shape, need_entropy, temperature):
+    """``linear_token_objective`` of a RowObjective whose constants have the labels' ``shape``."""
+    from logitless.ops import RowObjective
+
+    dtype = torch.float64 if impl == "reference" else torch.float32
+    named = {k: c.to(dtype).reshape(shape).to(DEV) for k, c in consts.items()}
+    named["unused"] = None  # left out: fn never sees the key
+    seen = []
+
+    def fn(lp, ent, c):
+        seen.append(sorted(c))
+        assert all(v.shape == lp.shape for v in c.values())
+        return _policy_terms(lp, ent, c, 0.05)
+
+    objective = RowObjective(fn, named, key=("policy", 0.05))
+    h = hidden.to(dtype).reshape(*shape, -1).to(DEV).requires_grad_()
+    w = weight.to(dtype).to(DEV).requires_grad_()
+    got, got_lp, got_ent = logitless.ops.linear_token_objective(
+        h, w, labels.reshape(shape).to(DEV), objective, need_entropy=need_entropy, impl=impl,
+        temperature=temperature, chunk_size=5,
+    )
+    (got * 1.3).backward()
+    assert all(names == sorted(consts) for names in seen) and seen
+    return got, got_lp.reshape(-1), got_ent, h.grad.reshape(-1, h.shape[-1]) / 1.3, w.grad / 1.3
+
+
+@pytest.mark.parametrize("need_entropy", [True, False])
+def test_row_objective_on_the_triton_head_matches_float64(need_entropy, path):
+    # The named-constants form of the objective: constants of the labels' (B, S) shape, gathered
+    # at each chunk's rows by the op; float64 autograd on the plain closure form is the reference.
+    hidden, weight, labels, consts = _inputs(3 * 9, 16, 53, seed=11)
+    h64, w64, lp, ent, want = _reference(hidden, weight, labels, consts, 0.9, need_entropy)
+    got, got_lp, _, dh, dw = _row_objective_call("triton", consts, hidden, weight, labels, (3, 9), need_entropy, 0.9)
+    assert abs(float(got) - float(want)) <= TOL * abs(float(want))
+    assert _rel(got_lp, lp) < TOL and _rel(dh, h64.grad) < TOL and _rel(dw, w64.grad) < TOL
+
+
+@pytest.mark.parametrize("impl", ["chunked", "reference"])
+def test_row_objective_on_the_other_impls_matches_float64(impl):
+    hidden, weight, labels, consts = _inputs(2 * 11, 12, 41, seed=12)
+    h64, w64, lp, ent, want = _reference(hidden, weight, labels, consts, 1.1, True)
+    got, got_lp, got_ent, dh, dw = _row_objective_call(impl, consts, hidden, weight, labels, (2, 11), True, 1.1)
+    assert abs(float(got) - float(want)) <= TOL * abs(float(want))
+    assert _rel(got_lp, lp) < TOL and _rel(got_ent.reshape(-1), ent) < TOL
+    assert _rel(dh, h64.grad) < TOL and _rel(dw, w64.grad) < TOL
+
+
+def test_row_objective_bad_constants_and_key_raise_before_compute():
+    from logitless.ops import RowObjective
+
+    hidden, weight, labels, _ = _inputs(6, 8, 19, seed=2, ignore_frac=0.0)
+    h, w, y = hidden.float().to(DEV), weight.float().to(DEV), labels.to(DEV)
+    fn = lambda lp, ent, c: (c["adv"] * lp).sum()  # noqa: E731
+    short = RowObjective(fn, {"adv": torch.ones(5, device=DEV)}, key=0)
+    with pytest.raises(ValueError, match=r"constant 'adv' has 5 values, expected one per label \(6\)"):
+        logitless.ops.linear_token_objective(h, w, y, short, impl="triton")
+    if _CUDA:
+        elsewhere = RowObjective(fn, {"adv": torch.ones(6)}, key=0)
+        with pytest.raises(ValueError, match="constant 'adv' is on cpu"):
+            logitless.ops.linear_token_objective(h, w, y, elsewhere, impl="triton")
+    with pytest.raises(ValueError, match="constant 'adv' must be a tensor or None, got list"):
+        RowObjective(fn, {"adv": [1.0] * 6}, key=0)
+    with pytest.raises(ValueError, match="key must be hashable"):
+        RowObjective(fn, {"adv": torch.ones(6)}, key=[0.2])

@@ -50,7 +50,7 @@ import torch
 
 from logitless.losses._base import LossOutput, LossUnits, ModelOutput, StepLoss, as_head_input
 from logitless.modules import HeadInput  # noqa: F401  (public in signatures / doctest)
-from logitless.ops import _validate, linear_log_probs, linear_token_objective
+from logitless.ops import RowObjective, _validate, linear_log_probs, linear_token_objective
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -355,26 +355,50 @@ class GRPOLoss(StepLoss):
         return m / max(int(total_tokens), 1)
 
     def _fused_loss(self, head, labels, mask, advantages, weights, old_log_probs, ref_log_probs):
-        # Per-row constants, flattened as the op names rows: labels.reshape(-1)[rows].
-        adv = advantages.reshape(-1)
-        w = weights.reshape(-1)
-        m = mask.reshape(-1)
-        old = None if old_log_probs is None else old_log_probs.reshape(-1)
-        ref = ref_log_probs.reshape(-1) if ref_log_probs is not None and self.beta > 0 else None
-
-        def objective(lp, ent, rows):
-            dt = lp.dtype
-            # old=None: the current policy detached (ratio 1, gradient of the ratio 1); rows outside
-            # the mask (truncated completions) see their own log-prob as old and ref, as unfused.
-            lr = lp - (lp.detach() if old is None else masked_like(m[rows], old[rows].to(dt), lp))
-            ref_rows = None if ref is None else masked_like(m[rows], ref[rows].to(dt), lp)
-            per_token, _, _ = self.token_terms(lp, lr, ent, ref_rows, adv[rows].to(dt))
-            return (per_token * w[rows].to(dt)).sum()
-
+        objective = self.row_objective(advantages, weights, mask, old_log_probs, ref_log_probs)
         # Entropy always: the metrics report it (free in the Triton head's statistics).
         return linear_token_objective(head.hidden, head.weight, labels, objective,
                                       ignore_index=self.ignore_index, temperature=self.temperature,
                                       need_entropy=True, impl=self.impl, chunk_size=self.chunk_size)
+
+    def row_objective(self, advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+                      old_log_probs: Optional[torch.Tensor] = None,
+                      ref_log_probs: Optional[torch.Tensor] = None) -> RowObjective:
+        """The fused path's objective ``sum_t w_t L_t`` for ``linear_token_objective``.
+
+        Its per-token constants are named (a :class:`~logitless.ops.RowObjective`), so that on CUDA
+        the fused head replays one captured graph of it in every call with this loss's settings.
+
+        Args:
+            advantages (torch.Tensor): per-token advantages, the labels' shape (0 outside ``mask``).
+            weights (torch.Tensor): per-token weights ``w`` (:meth:`token_weights`).
+            mask (torch.Tensor): bool loss mask (:meth:`loss_mask`).
+            old_log_probs, ref_log_probs (Optional[torch.Tensor]): as in :meth:`forward` (``ref``
+                is read only with ``beta > 0``).
+
+        Returns:
+            RowObjective: ``f(logp, ent, rows)``.
+
+        Example:
+            >>> objective = loss_fn.row_objective(adv, loss_fn.token_weights(mask), mask, old)
+            >>> loss, logp, ent = linear_token_objective(hidden, weight, labels, objective, need_entropy=True)
+        """
+        return RowObjective(
+            self._row_objective,
+            {"adv": advantages, "weight": weights, "mask": mask, "old": old_log_probs,
+             "ref": ref_log_probs if self.beta > 0 else None},
+            key=(self.epsilon, self.epsilon_high, self.beta, self.entropy_coef),
+        )
+
+    def _row_objective(self, lp, ent, c):
+        """``sum_t w_t L_t`` of some rows from their log-probs, entropies and constants ``c``."""
+        dt = lp.dtype
+        # old absent: the current policy detached (ratio 1, gradient of the ratio 1); rows outside
+        # the mask (truncated completions) see their own log-prob as old and ref, as unfused.
+        old = lp.detach() if "old" not in c else masked_like(c["mask"], c["old"].to(dt), lp)
+        ref = masked_like(c["mask"], c["ref"].to(dt), lp) if "ref" in c else None
+        per_token, _, _ = self.token_terms(lp, lp - old, ent, ref, c["adv"].to(dt))
+        return (per_token * c["weight"].to(dt)).sum()
 
     def _metrics(self, m, ratio, adv, kl, ent) -> Dict[str, torch.Tensor]:
         with torch.no_grad():

@@ -6,5 +6,6 @@ from logitless.ops.dispatch import (
     linear_token_objective,
     resolve_impl,
 )
+from logitless.ops.row_objective import RowObjective
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "resolve_impl"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "resolve_impl", "RowObjective"]

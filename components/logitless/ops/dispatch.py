@@ -6,6 +6,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from logitless.ops import _validate, chunked, reference
+from logitless.ops.row_objective import RowObjective
 
 
 def _interpreting() -> bool:
@@ -196,7 +197,9 @@ def linear_token_objective(
             rows only, each row in exactly one call; ``logp``/``ent`` their log-probs and
             entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` impl on float64
             inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
-            constants are gathered as ``const.reshape(-1)[rows]``.
+            constants are gathered as ``const.reshape(-1)[rows]``. A
+            :class:`~logitless.ops.RowObjective` names its constants instead, which lets the
+            ``"triton"`` head on CUDA replay one captured graph of it across calls.
         ignore_index (int): rows with this label have no term. Default -100.
         temperature (float): divides the logits. Default 1.0.
         need_entropy (bool): compute the entropy and pass it to the objective. Default False.
@@ -226,6 +229,8 @@ def linear_token_objective(
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
+    if isinstance(token_objective, RowObjective):
+        token_objective.check_rows(labels.numel(), hidden.device)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
         logp, ent = reference.log_probs(

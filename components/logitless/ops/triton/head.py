@@ -756,7 +756,7 @@ def _t_geometry(s_rows, r_cols, device):
     return _num_splits(-(-r_cols // T_BLOCK_R), s_rows, device, block=T_BLOCK_S)
 
 
-def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, dw, upstream):
+def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, dw, upstream, outputs=None):
     """The one-pass path on the first ``rows_b`` valid rows with their logits kept in ``dw``'s buffer.
 
     ``upstream(logp_b, ent_b, rows)`` gives the gradient of the objective w.r.t. the block's
@@ -770,8 +770,8 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
     ``lt[v0:v1]`` and writes the gradient into the workspace, ``dh += dl @ W[slab]`` (fp32) and
     ``dW[v0:v1] = dl.T @ h``, which overwrites only consumed logits: it spans elements
     ``[v0 H, v1 H)``, the unconsumed ``lt`` rows ``[0, v0 rows_b)``, and ``rows_b <= H``. Three
-    GEMMs, no recompute, no transposed copy; returns fp32 ``(logp, ent, lse)`` of all ``N`` rows
-    (0 outside the block).
+    GEMMs, no recompute, no transposed copy; returns ``(logp, ent, lse)`` of all ``N`` rows (0
+    outside the block), written into ``outputs`` where given (zeroed, as :func:`row_outputs`).
     """
     n = hidden.shape[0]
     vocab, hid = weight.shape
@@ -829,15 +829,13 @@ def _cached_block(hidden, weight, labels, idx, rows_b, ignore_index, inv_t, dh, 
             dh[:rows_b].copy_(dh32)
         else:
             dh.index_copy_(0, idx_b, dh32.to(dh.dtype))
-    out = []
-    for t in (logp_b, ent_b, lse_b):
-        full = hidden.new_zeros((n,), dtype=t.dtype)
+    outputs = outputs if outputs is not None else row_outputs(hidden, n)
+    for full, t in zip(outputs, (logp_b, ent_b, lse_b)):
         if idx_b is None:
             full[:rows_b] = t
         else:
             full.index_copy_(0, idx_b, t)
-        out.append(full)
-    return tuple(out)
+    return tuple(outputs)
 
 
 def one_pass_chunks(rows: int, n_c: int, cached: int) -> int:

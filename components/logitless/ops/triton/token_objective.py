@@ -28,12 +28,14 @@ the forward-only slab pass runs (1 GEMM).
 around it.
 """
 
+import collections
 import functools
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from logitless.settings import settings
+from logitless.ops.row_objective import RowObjective
 from logitless.ops.triton import head
 
 TokenObjective = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
@@ -108,6 +110,85 @@ def _capture_resources(device: torch.device):
 _LAST_GRAPH = {}
 
 
+def _code_of(token_objective: TokenObjective):
+    """The code object that names an objective in the compile / capture bookkeeping (None: unnamed)."""
+    if isinstance(token_objective, RowObjective):
+        return token_objective.signature[0]
+    return getattr(token_objective, "__code__", None)
+
+
+def _replayable(token_objective: TokenObjective, device: torch.device) -> bool:
+    return OBJECTIVE_GRAPH and device.type == "cuda" and _code_of(token_objective) not in _UNCAPTURABLE
+
+
+#: How many :class:`RowObjective` signatures keep their buffers and graphs (least recent dropped).
+KEPT_SIGNATURES = 4
+#: ``(signature, with entropy, device)`` -> :class:`KeptGraphs`, most recently used last.
+_KEPT = collections.OrderedDict()
+
+
+class KeptGraphs:
+    """A :class:`RowObjective`'s static buffers and its per-chunk CUDA graphs, kept across calls.
+
+    A graph reads and writes fixed addresses. Here they belong to this object, not to a call: each
+    call copies its constants into ``constants``, runs its chunks on ``logp`` / ``ent`` / ``glp`` /
+    ``gent`` / ``total`` (views of their first ``n`` rows) and returns copies of what it outputs,
+    so one graph per chunk length, captured once, serves every later call of the same signature.
+    Buffers hold ``capacity`` rows (a power of two): a call with more rows makes new ones. The
+    graphs share one private memory pool; they never run concurrently (one stream, in call order),
+    and their pool tensors are temporaries of a replay.
+
+    Args:
+        objective (RowObjective): gives ``fn``, ``key`` and the constants' names and dtypes.
+        capacity (int): rows of every buffer.
+        need_entropy (bool): the objective gets the entropy (``gent`` exists).
+        device (torch.device): a CUDA device.
+    """
+
+    def __init__(self, objective: RowObjective, capacity: int, need_entropy: bool, device: torch.device):
+        zeros = functools.partial(torch.zeros, dtype=torch.float32, device=device)
+        self.capacity = capacity
+        self.logp, self.ent, self.glp = zeros(capacity), zeros(capacity), zeros(capacity)
+        self.gent = zeros(capacity) if need_entropy else None
+        self.total = zeros(())
+        self.constants = {name: torch.zeros(capacity, dtype=value.dtype, device=device)
+                          for name, value in objective.constants.items()}
+        self.objective = RowObjective(objective.fn, self.constants, objective.key)
+        self.graphs = {}  # chunk rows -> (graph, static rows, has_b)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def for_call(token_objective: TokenObjective, n: int, need_entropy: bool,
+                 device: torch.device) -> Optional["KeptGraphs"]:
+        """The kept buffers of this call's objective, loaded with its constants and zeroed outputs.
+
+        Args:
+            token_objective (Callable): the call's objective.
+            n (int): the call's rows.
+            need_entropy (bool): as the call.
+            device (torch.device): the call's device.
+
+        Returns:
+            Optional[KeptGraphs]: None unless a :class:`RowObjective` whose chunks can be replayed
+            (:meth:`ChunkUpstreams.replayable`).
+        """
+        if not (isinstance(token_objective, RowObjective) and _replayable(token_objective, device)):
+            return None
+        signature = (token_objective.signature, need_entropy, device)
+        kept = _KEPT.pop(signature, None)
+        if kept is None or kept.capacity < n:
+            kept = KeptGraphs(token_objective, 1 << max(n - 1, 0).bit_length(), need_entropy, device)
+        _KEPT[signature] = kept
+        while len(_KEPT) > KEPT_SIGNATURES:
+            _KEPT.popitem(last=False)
+        for name, value in token_objective.constants.items():
+            kept.constants[name][:n].copy_(value)
+        for buffer in (kept.logp, kept.ent, kept.glp, kept.gent, kept.total):
+            if buffer is not None:
+                buffer.zero_()
+        return kept
+
+
 class ChunkUpstreams:
     """Each chunk's objective: adds its value to ``total`` and writes its per-row upstreams
     ``a = d obj / d logp``, ``b = d obj / d ent`` into ``glp``, ``gent`` at the chunk's rows.
@@ -126,9 +207,11 @@ class ChunkUpstreams:
       later full chunk copies its rows in and replays it: two host calls a chunk.
 
     Elsewhere (CPU, the knobs off) every chunk runs eagerly. An objective that fails to compile or to
-    be captured (a host sync, CPU tensors) falls back to the eager call and is remembered. The graph
-    is replayed only within this object's ``linear_token_objective`` call; its memory pool is shared
-    by every call on the device (``_capture_resources``).
+    be captured (a host sync, CPU tensors) falls back to the eager call and is remembered. A plain
+    callable's graph is replayed only within this object's ``linear_token_objective`` call (its
+    memory pool is shared by every such call on the device, ``_capture_resources``); a
+    :class:`RowObjective`'s lives in its :class:`KeptGraphs` and is replayed from the first full
+    chunk of every later call of the same signature.
 
     Args:
         token_objective (Callable): see :func:`token_objective_fused`.
@@ -137,6 +220,8 @@ class ChunkUpstreams:
         glp, gent (torch.Tensor): fp32 ``(N,)`` upstreams to fill (``gent`` None without ``ent``).
         total (torch.Tensor): fp32 scalar the chunks' values are added to.
         chunk_rows (int): rows of a full chunk.
+        kept (Optional[KeptGraphs]): the objective's kept buffers, which then replace
+            ``token_objective`` and the five tensors above (they are views of them).
 
     Example:
         >>> upstreams = ChunkUpstreams(objective, logp, ent, glp, gent, total, 768)
@@ -144,17 +229,21 @@ class ChunkUpstreams:
     """
 
     def __init__(self, token_objective: TokenObjective, logp: torch.Tensor, ent: Optional[torch.Tensor],
-                 glp: torch.Tensor, gent: Optional[torch.Tensor], total: torch.Tensor, chunk_rows: int):
+                 glp: torch.Tensor, gent: Optional[torch.Tensor], total: torch.Tensor, chunk_rows: int,
+                 kept: Optional[KeptGraphs] = None):
+        if kept is not None:  # whole buffers: a graph bakes in the sizes it read
+            token_objective, logp, glp, gent, total = kept.objective, kept.logp, kept.glp, kept.gent, kept.total
+            ent = kept.ent if ent is not None else None
         self.objective, self.logp, self.ent = token_objective, logp, ent
         self.glp, self.gent, self.total = glp, gent, total
-        self.chunk_rows = chunk_rows
-        self.code = getattr(token_objective, "__code__", None)
+        self.chunk_rows, self.kept = chunk_rows, kept
+        self.code = _code_of(token_objective)
         self.compile = (OBJECTIVE_COMPILE and logp.is_cuda and self.code is not None
                         and self.code not in _UNCOMPILABLE)
         self.graph_on = OBJECTIVE_GRAPH and logp.is_cuda
         self.warm_key = (self.code, ent is not None)
         self.ran = False  # a full chunk has run uncaptured in this call
-        self.graph = self.rows = self.has_b = None
+        self.graph, self.rows, self.has_b = kept.graphs.get(chunk_rows, (None,) * 3) if kept else (None,) * 3
 
     @staticmethod
     def replayable(token_objective: TokenObjective, hidden: torch.Tensor) -> bool:
@@ -167,8 +256,7 @@ class ChunkUpstreams:
         Returns:
             bool: the graph knob is on, the call is on CUDA and this objective's capture never failed.
         """
-        return (OBJECTIVE_GRAPH and hidden.is_cuda
-                and getattr(token_objective, "__code__", None) not in _UNCAPTURABLE)
+        return _replayable(token_objective, hidden.device)
 
     def _upstreams(self, rows: torch.Tensor, capturing: bool = False):
         """``(value, a, b)`` on ``rows``: compiled where possible, else eager autograd."""
@@ -229,6 +317,7 @@ class ChunkUpstreams:
     def _capture(self, rows: torch.Tensor) -> bool:
         self.rows = rows.clone()
         graph, (side, pool) = torch.cuda.CUDAGraph(), _capture_resources(rows.device)
+        pool = self.kept.pool if self.kept is not None else pool
         side.wait_stream(torch.cuda.current_stream(rows.device))
         try:
             with torch.cuda.stream(side):
@@ -242,7 +331,10 @@ class ChunkUpstreams:
             return False
         torch.cuda.current_stream(rows.device).wait_stream(side)
         self.graph, self.has_b = graph, has_b
-        _LAST_GRAPH[rows.device] = graph
+        if self.kept is not None:
+            self.kept.graphs[self.chunk_rows] = (graph, self.rows, has_b)
+        else:
+            _LAST_GRAPH[rows.device] = graph
         return True
 
 
@@ -271,7 +363,6 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     if need_grad:
         hidden = head.rows_for_gradients(hidden, labels, ignore_index, idx, n_valid)
     rows = n if idx is None else idx.numel()
-    total = hidden.new_zeros((), dtype=torch.float32)
     n_c = head.one_pass_rows(rows, hidden, weight, head.WORKSPACE_BYTES)
     cached = head.cached_block_rows(rows, n_c, weight.shape[1], need_dw) if need_grad else 0
     if ChunkUpstreams.replayable(token_objective, hidden):
@@ -301,10 +392,13 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     ch = chunks = None
     if not cached:
         ch, chunks = head.queued_chunks(hidden, weight, idx, labels, inv_t, need_entropy)
-    logp, ent, lse = head.row_outputs(hidden, n)
+    kept = KeptGraphs.for_call(token_objective, n, need_entropy, hidden.device)
+    logp, ent, lse = head.row_outputs(hidden, n) if kept is None else \
+        (kept.logp[:n], kept.ent[:n], hidden.new_zeros((n,), dtype=torch.float64))
     # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
-    glp = hidden.new_zeros((n,), dtype=torch.float32)
-    gent = hidden.new_zeros((n,), dtype=torch.float32) if need_entropy else None
+    glp = hidden.new_zeros((n,), dtype=torch.float32) if kept is None else kept.glp[:n]
+    gent = None if not need_entropy else hidden.new_zeros((n,), dtype=torch.float32) if kept is None else kept.gent[:n]
+    total = hidden.new_zeros((), dtype=torch.float32) if kept is None else kept.total
     dh = head._grad_buffer(hidden, need_dh, zero=idx is not None)
     dw = head._grad_buffer(weight, need_dw, zero=rows == 0)
     if cached:  # the first block's logits kept in dW's buffer (head.cached_block_rows)
@@ -314,11 +408,12 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
             total.add_(value)
             return None, a, b
 
-        logp, ent, lse = head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t,
-                                            dh if need_dh else None, dw, block_upstream)
+        head._cached_block(hidden, weight, labels, idx, cached, ignore_index, inv_t, dh if need_dh else None,
+                           dw, block_upstream, outputs=(logp, ent, lse))
         ch, chunks = head.queued_chunks(hidden, weight, idx, labels, inv_t, need_entropy, first=cached)
     pinned = head.PinnedColumns(labels, idx, ignore_index, pin, rows, vocab, hidden, ch.n_c) if pin > 0 else None
-    upstreams = ChunkUpstreams(token_objective, logp, ent if need_entropy else None, glp, gent, total, ch.n_c)
+    upstreams = ChunkUpstreams(token_objective, logp, ent if need_entropy else None, glp, gent, total, ch.n_c,
+                               kept)
     for i, (h_c, idx_c, start, logits) in enumerate(chunks):
         head._stats(ch, logits, idx_c, start, labels, logp, ent, lse, inv_t, ignore_index)
         r = idx_c if idx_c is not None else torch.arange(start, start + logits.shape[0], device=hidden.device)
@@ -330,6 +425,8 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     if pinned is not None:
         ch = chunks = logits = h_c = None  # the logits workspace is free before the pinned rows' GEMM
         pinned.finish(dw, hidden, idx)
+    if kept is not None:  # the next call overwrites the kept buffers
+        total, logp, ent = total.clone(), logp.clone(), ent.clone()
     return total, logp, ent, dh, dw
 
 
