@@ -239,3 +239,40 @@ def test_compiled_chunk_epilogues_equal_the_eager_ones():
     compiled = SimpleNamespace(**{k: torch.compile(getattr(E, f"{k}_fusible"), dynamic=True)
                                   for k in ("ce", "stats", "grad")})
     _epilogue_checks(compiled, in_place=False)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_epilogues_take_raw_half_logits_and_divide_by_the_temperature(half):
+    """CUDA's compiled epilogues get the chunk's logits in the inputs' half dtype, undivided: upcast,
+    divided by T, they give float64 autograd's log-probs, entropies, losses and gradients w.r.t. the
+    raw logits to fp32 rounding, as the in-place ones do on the float32 logits."""
+    from logitless.ops import _chunk_epilogues as E
+
+    z64, labels, valid, safe, g_lp, g_ent = _epilogue_case(offset=3.0)
+    z = z64.to(half)  # the GEMM's half logits
+    t, coef = 0.7, 0.25
+    zz = z.double().requires_grad_(True)
+    logq = (zz / t).log_softmax(-1)
+    r_logp = torch.where(valid, logq.gather(1, safe).squeeze(1), 0.0)
+    r_ent = torch.where(valid, -(logq.exp() * logq).sum(-1), 0.0)
+    ((r_logp * g_lp).sum() + (r_ent * g_ent).sum()).backward()
+    zc = z.double().requires_grad_(True)
+    r_loss = (torch.nn.functional.cross_entropy(zc / t, labels, reduction="none") * valid).sum()
+    r_loss.backward()
+    tol = dict(rtol=2e-5, atol=2e-6)
+    for name, raw in (("fusible", z), ("in place", z.float())):
+        ce, stats, grad = (getattr(E, f"{k}_{'fusible' if name == 'fusible' else 'eager'}") for k in ("ce", "stats", "grad"))
+        loss, dz = ce(raw.clone(), safe, valid, coef / t, torch.float32, temperature=t)
+        torch.testing.assert_close(loss.double() * coef, r_loss.detach() * coef, **tol)
+        torch.testing.assert_close(dz.double(), zc.grad * coef, **tol)
+        zs = raw.clone()
+        logp, ent, m, log_s = stats(zs, safe, valid, True, temperature=t)
+        torch.testing.assert_close(logp.double(), r_logp.detach(), **tol)
+        torch.testing.assert_close(ent.double(), r_ent.detach(), **tol)
+        if name == "in place":  # zs holds log q: the gradient takes it as it is
+            dz = grad(zs, None, None, ent, g_lp.float(), g_ent.float(), safe, valid, 1.0 / t, torch.float32,
+                      temperature=t)
+        else:
+            dz = grad(raw, m, log_s, ent, g_lp.float(), g_ent.float(), safe, valid, 1.0 / t, torch.float32,
+                      temperature=t)
+        torch.testing.assert_close(dz.double(), zz.grad, **tol)

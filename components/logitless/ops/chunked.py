@@ -1,7 +1,9 @@
 """Chunked PyTorch head ops: bounded memory in forward AND backward, no custom kernels.
 
 The ``(N, V)`` logits never exist at once: rows are processed ``chunk_size`` at a time, each chunk's
-logits upcast to float32 before its softmax. Two backward regimes:
+logits taken to float32 before its softmax (straight from the GEMM on the CPU; on CUDA kept in the
+inputs' half dtype, as plain PyTorch's, and upcast inside the compiled epilogues). Two backward
+regimes:
 
 * scalar upstream (cross-entropy with ``reduction="mean"|"sum"``): the gradients ``dh`` and ``dW`` are
   computed during the forward, chunk by chunk, and only scaled by the upstream scalar in backward.
@@ -22,7 +24,7 @@ from logitless.ops._chunk_epilogues import epilogues_for
 from logitless.ops._rows import has_ignored_rows, zero_ignored_rows
 
 # Bytes of chunk temporaries we allow: about three (rows x V) float32 buffers live at once in the
-# eager epilogues; the compiled ones keep only the float32 logits and the gradient operand.
+# eager epilogues; the compiled ones keep only the half logits and the gradient operand.
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
 _BUFFERS_PER_ROW = 3
 
@@ -56,13 +58,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: Optional[int]) -> int:
-    # The compiled epilogues (CUDA) hold no rows x V temporary but the logits (accumulator dtype)
-    # and the gradient operand (input dtype): twice the rows of the eager ones in the same budget,
-    # so the weight is streamed half as often.
+    # The compiled epilogues (CUDA) hold no rows x V temporary but the logits and the gradient
+    # operand, both in the input dtype: three times the rows of the eager ones in the same budget,
+    # so the weight is streamed a third as often.
     if chunk_size:
         return chunk_size
     acc_bytes = 8 if hidden.dtype == torch.float64 else 4
-    per_logit = acc_bytes * _BUFFERS_PER_ROW if epilogues_for(hidden).in_place else acc_bytes + hidden.element_size()
+    per_logit = acc_bytes * _BUFFERS_PER_ROW if epilogues_for(hidden).in_place else 2 * hidden.element_size()
     return auto_chunk_size(hidden.shape[0], weight.shape[0], bytes_per_logit=per_logit)
 
 
@@ -96,13 +98,14 @@ def _gemm_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if grad.is_cuda else grad.dtype
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, acc: torch.dtype) -> torch.Tensor:
-    # Logits straight into the accumulator dtype: one pass fewer than bf16 logits + upcast, and
-    # never less accurate.
-    z = _mm_acc(h, weight.T, acc)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, acc: torch.dtype, in_place: bool) -> torch.Tensor:
+    """A chunk's raw logits as its epilogues take them (the temperature divides them there).
+
+    For the in-place epilogues straight into the accumulator dtype (one pass fewer than half logits +
+    upcast, and more accurate than plain PyTorch); for the compiled ones in the input dtype, as
+    plain PyTorch and torchtune hold them: half the bytes written and read again per logit.
+    """
+    return _mm_acc(h, weight.T, acc) if in_place else h @ weight.T
 
 
 class _LinearCrossEntropyGradInForward(torch.autograd.Function):
@@ -128,11 +131,12 @@ class _LinearCrossEntropyGradInForward(torch.autograd.Function):
             y, valid = labels[start : start + chunk_size], valid_all[start : start + chunk_size]
             h = zero_ignored_rows(hidden[start : start + chunk_size], valid, mask)
             safe = torch.where(valid, y, 0).long().unsqueeze(1)
-            z = _chunk_logits(h, weight, temperature, acc)
+            z = _chunk_logits(h, weight, acc, ep.in_place)
             if not (need_dh or need_dw):
-                total = total - ep.stats(z, safe, valid, False)[0].sum()
+                total = total - ep.stats(z, safe, valid, False, temperature=temperature)[0].sum()
                 continue
-            loss, grad = ep.ce(z, safe, valid, scale / temperature, _gemm_dtype(z, hidden.dtype))
+            loss, grad = ep.ce(z, safe, valid, scale / temperature, _gemm_dtype(z, hidden.dtype),
+                               temperature=temperature)
             total = total + loss
             if need_dh:
                 dh[start : start + chunk_size] = _mm_acc(grad, weight, acc)
@@ -170,8 +174,9 @@ class _LinearLogProbs(torch.autograd.Function):
             stop = min(start + chunk_size, n)
             y, v = labels[start:stop], valid[start:stop]
             safe = torch.where(v, y, 0).long().unsqueeze(1)
-            z = _chunk_logits(zero_ignored_rows(hidden[start:stop], v, mask), weight, temperature, acc)
-            lp, en, m_all[start:stop], log_s_all[start:stop] = ep.stats(z, safe, v, return_entropy)
+            z = _chunk_logits(zero_ignored_rows(hidden[start:stop], v, mask), weight, acc, ep.in_place)
+            lp, en, m_all[start:stop], log_s_all[start:stop] = ep.stats(z, safe, v, return_entropy,
+                                                                        temperature=temperature)
             logp[start:stop] = lp
             if return_entropy:
                 ent[start:stop] = en
@@ -197,12 +202,12 @@ class _LinearLogProbs(torch.autograd.Function):
             v = valid[start:stop]
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
             h = zero_ignored_rows(hidden[start:stop], v, ctx.mask)
-            z = _chunk_logits(h, weight, t, acc)
+            z = _chunk_logits(h, weight, acc, ep.in_place)
             g_lp = None if grad_logp is None else grad_logp[start:stop]
             g_ent = None if grad_ent is None or ent is None else grad_ent[start:stop]
             ent_c = None if g_ent is None else ent[start:stop]
             grad = ep.grad(z, m_all[start:stop], log_s_all[start:stop], ent_c, g_lp, g_ent, safe, v, 1.0 / t,
-                           _gemm_dtype(z, hidden.dtype))
+                           _gemm_dtype(z, hidden.dtype), temperature=t)
             if need_dh:
                 dh[start:stop] = _mm_acc(grad, weight, acc).to(hidden.dtype)
             if need_dw:
@@ -337,8 +342,8 @@ class _LinearTokenObjective(torch.autograd.Function):
             v = valid_all[start:stop]
             h = zero_ignored_rows(hidden[start:stop], v, mask)
             safe = torch.where(v, labels[start:stop], 0).long().unsqueeze(1)
-            z = _chunk_logits(h, weight, temperature, acc)
-            logp_acc, ent_acc, m, log_s = ep.stats(z, safe, v, need_entropy)
+            z = _chunk_logits(h, weight, acc, ep.in_place)
+            logp_acc, ent_acc, m, log_s = ep.stats(z, safe, v, need_entropy, temperature=temperature)
             if ep.in_place:  # z holds log q now
                 m = log_s = None
             logp = logp_acc.float()
@@ -361,7 +366,7 @@ class _LinearTokenObjective(torch.autograd.Function):
             a = grads[0] if grads[0] is not None else torch.zeros_like(logp)
             b = grads[1] if need_entropy and grads[1] is not None else None
             grad = ep.grad(z, m, log_s, ent_acc if b is not None else None, a, b, safe, v, 1.0 / temperature,
-                           _gemm_dtype(z, hidden.dtype))
+                           _gemm_dtype(z, hidden.dtype), temperature=temperature)
             if need_dh:
                 dh[start:stop] = _mm_acc(grad, weight, acc)
             if need_dw:
