@@ -241,7 +241,10 @@ class ChunkUpstreams:
         self.compile = (OBJECTIVE_COMPILE and logp.is_cuda and self.code is not None
                         and self.code not in _UNCOMPILABLE)
         self.graph_on = OBJECTIVE_GRAPH and logp.is_cuda
-        self.warm_key = (self.code, ent is not None)
+        # A RowObjective is warm per signature: a new key (say another coefficient) recompiles, and
+        # a compilation inside a capture fails on cold compile caches, so its first chunk runs first.
+        signature = token_objective.signature if isinstance(token_objective, RowObjective) else self.code
+        self.warm_key = (signature, ent is not None)
         self.ran = False  # a full chunk has run uncaptured in this call
         self.graph, self.rows, self.has_b = kept.graphs.get(chunk_rows, (None,) * 3) if kept else (None,) * 3
 
