@@ -279,6 +279,48 @@ def test_row_objective_graph_is_kept_across_calls(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_closure_over_another_scalar_runs_its_first_chunk_before_the_capture(monkeypatch):
+    # A closure objective over a new Python scalar recompiles: its first full chunk runs uncaptured
+    # (a compilation inside a capture fails on cold compile caches), the next one is captured, and
+    # the objective stays capturable. Each call: one uncaptured chunk, one capture, which succeeds.
+    from logitless.ops import linear_token_objective
+    from logitless.ops.triton import token_objective as T
+
+    monkeypatch.setattr(T.ChunkUpstreams, "replayable", staticmethod(lambda *a: True))
+    monkeypatch.setattr(T, "OBJECTIVE_COMPILE", True)
+    monkeypatch.setattr(T, "OBJECTIVE_GRAPH", True)
+    monkeypatch.setattr(T, "_UNCAPTURABLE", set())
+    monkeypatch.setattr(T, "_WARM", set())
+    captured, uncaptured = [], []
+    capture, run_uncaptured = T.ChunkUpstreams._capture, T.ChunkUpstreams._run_uncaptured
+    monkeypatch.setattr(T.ChunkUpstreams, "_capture", lambda self, r: captured.append(capture(self, r)) or captured[-1])
+    monkeypatch.setattr(T.ChunkUpstreams, "_run_uncaptured",
+                        lambda self, r, capture_failed: uncaptured.append(1) or run_uncaptured(self, r, capture_failed))
+    hidden, weight, labels = _inputs(16384, 896, 151936, seed=9, ignore_frac=0.1)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    adv = torch.randn(labels.shape, device="cuda", generator=gen)
+    old = -5.0 + 0.3 * torch.randn(labels.shape, device="cuda", generator=gen)
+    w = (labels != IGN).float() / (labels != IGN).sum()
+
+    def objective_with(coef):
+        def objective(lp, ent, rows):
+            ratio = torch.exp(lp - old[rows])
+            terms = -torch.minimum(ratio * adv[rows], ratio.clamp(0.8, 1.28) * adv[rows]) - coef * ent
+            return (terms * w[rows]).sum()
+
+        return objective
+
+    for coef in (0.01, 0.02):
+        captured.clear()
+        uncaptured.clear()
+        hidden.grad = weight.grad = None
+        loss, _, _ = linear_token_objective(hidden, weight, labels, objective_with(coef), need_entropy=True,
+                                            impl="triton")
+        loss.backward()
+        assert (len(uncaptured), captured) == (1, [True])
+    assert objective_with(0.0).__code__ not in T._UNCAPTURABLE
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_token_objective_compiled_and_replayed_equals_eager(monkeypatch, sync):
     # 0.5B head, 16384 rows: ~20 one-pass chunks. Replaying the per-chunk objective from a CUDA

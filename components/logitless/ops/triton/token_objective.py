@@ -117,6 +117,27 @@ def _code_of(token_objective: TokenObjective):
     return getattr(token_objective, "__code__", None)
 
 
+def _warm_signature(token_objective: TokenObjective):
+    """What a compiled call of the objective is warm for: another value recompiles it.
+
+    A compilation inside a CUDA-graph capture fails on cold compile caches, so a call whose
+    objective is not warm runs its first chunk uncaptured. A :class:`RowObjective` names what its
+    graph depends on (:attr:`RowObjective.signature`: a new ``key``, say another coefficient, is
+    another one); for a closure, the Python scalars it closes over stand in for that key.
+    """
+    if isinstance(token_objective, RowObjective):
+        return token_objective.signature
+    scalars = []
+    for cell in getattr(token_objective, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, (bool, int, float, str)):
+            scalars.append(value)
+    return _code_of(token_objective), tuple(scalars)
+
+
 def _replayable(token_objective: TokenObjective, device: torch.device) -> bool:
     return OBJECTIVE_GRAPH and device.type == "cuda" and _code_of(token_objective) not in _UNCAPTURABLE
 
@@ -242,10 +263,7 @@ class ChunkUpstreams:
         self.compile = (OBJECTIVE_COMPILE and logp.is_cuda and self.code is not None
                         and self.code not in _UNCOMPILABLE)
         self.graph_on = OBJECTIVE_GRAPH and logp.is_cuda
-        # A RowObjective is warm per signature: a new key (say another coefficient) recompiles, and
-        # a compilation inside a capture fails on cold compile caches, so its first chunk runs first.
-        signature = token_objective.signature if isinstance(token_objective, RowObjective) else self.code
-        self.warm_key = (signature, ent is not None)
+        self.warm_key = (_warm_signature(token_objective), ent is not None)
         self.ran = False  # a full chunk has run uncaptured in this call
         self.graph, self.rows, self.has_b = kept.graphs.get(chunk_rows, (None,) * 3) if kept else (None,) * 3
 
