@@ -224,8 +224,8 @@ class ChunkUpstreams:
     * with ``OBJECTIVE_GRAPH``, the full chunks' call (compiled or not), the scatter of ``a``, ``b``
       and the add to ``total`` are captured into one CUDA graph on a side stream (no device sync)
       reading the rows from a static index, after one uncaptured run (at the first full chunk where
-      the compiled call already ran in this process, for a :class:`RowObjective` with its
-      signature; should that capture fail, after a run); every
+      the compiled call already ran in this process for the same :func:`_warm_signature`; should
+      that capture fail, after a run); every
       later full chunk copies its rows in and replays it: two host calls a chunk.
 
     Elsewhere (CPU, the knobs off) every chunk runs eagerly. An objective that fails to compile or to
