@@ -70,8 +70,8 @@ OBJECTIVE_GRAPH = settings.triton_objective_graph
 _UNCOMPILABLE = set()
 #: Code objects of objectives that failed to be captured: their calls keep the eager chunk rule.
 _UNCAPTURABLE = set()
-#: ``(code, with entropy)`` of objectives whose compiled call has run uncaptured in this process:
-#: a later call captures its first full chunk at once.
+#: ``(warm signature, with entropy)`` (:func:`_warm_signature`) of objectives whose compiled call has
+#: run uncaptured in this process: a later call captures its first full chunk at once.
 _WARM = set()
 
 
@@ -415,12 +415,17 @@ def token_objective_fused(hidden, weight, labels, token_objective: TokenObjectiv
     if not cached:
         ch, chunks = head.queued_chunks(hidden, weight, idx, labels, inv_t, need_entropy)
     kept = KeptGraphs.for_call(token_objective, n, need_entropy, hidden.device)
-    logp, ent, lse = head.row_outputs(hidden, n) if kept is None else \
-        (kept.logp[:n], kept.ent[:n], hidden.new_zeros((n,), dtype=torch.float64))
-    # Per-row upstreams indexed by original row (what dlogits_kernel reads at each chunk row).
-    glp = hidden.new_zeros((n,), dtype=torch.float32) if kept is None else kept.glp[:n]
-    gent = None if not need_entropy else hidden.new_zeros((n,), dtype=torch.float32) if kept is None else kept.gent[:n]
-    total = hidden.new_zeros((), dtype=torch.float32) if kept is None else kept.total
+    # Row outputs, and the per-row upstreams indexed by original row (what dlogits_kernel reads at
+    # each chunk row): new for this call, or views of the kept buffers a replayed graph reads.
+    if kept is None:
+        logp, ent, lse = head.row_outputs(hidden, n)
+        glp = hidden.new_zeros((n,), dtype=torch.float32)
+        gent = hidden.new_zeros((n,), dtype=torch.float32) if need_entropy else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+    else:
+        logp, ent, glp, total = kept.logp[:n], kept.ent[:n], kept.glp[:n], kept.total
+        gent = kept.gent[:n] if need_entropy else None
+        lse = hidden.new_zeros((n,), dtype=torch.float64)
     dh = head._grad_buffer(hidden, need_dh, zero=idx is not None)
     dw = head._grad_buffer(weight, need_dw, zero=rows == 0)
     if cached:  # the first block's logits kept in dW's buffer (head.cached_block_rows)
