@@ -45,8 +45,9 @@ what was allocated before the step; the gradients dh, dW are part of it), and
 and entropy; the objective in ``obj``), dh and dW.
 
 Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
-SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--profile SHAPES`` (each path's GPU
-time split into GEMMs, epilogues, other kernels and idle), ``--hgemm-sweep SHAPES`` (block sizes
+SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--profile SHAPES`` (the GPU time of
+each profiled path within ``--impls`` and ``--modes`` split into GEMMs, epilogues, other kernels
+and idle), ``--hgemm-sweep SHAPES`` (block sizes
 of the Triton head GEMMs), ``--hgemm-blocks`` (set them for a run), ``--plot CSV PNG``.
 
 Example:
@@ -529,8 +530,24 @@ def micro(shape, reps=10):
 
 PROFILE_CASES = (("triton", "ce"), ("triton_fused", "ce"), ("triton", "logp"), ("triton", "fwd"),
                  ("triton", "obj"), ("triton_hgemm", "ce"), ("triton_fused_hgemm", "ce"),
-                 ("triton_hgemm", "logp"), ("triton_hgemm", "fwd"), ("triton_hgemm", "obj"), ("liger", "ce"), ("liger", "fwd"), ("chunked", "logp"),
-                 ("tt_compiled", "logp"), ("chunked", "fwd"), ("tt_compiled", "fwd"))
+                 ("triton_hgemm", "logp"), ("triton_hgemm", "fwd"), ("triton_hgemm", "obj"), ("liger", "ce"),
+                 ("liger", "fwd"), ("chunked", "logp"), ("tt_compiled", "logp"), ("chunked", "fwd"),
+                 ("tt_compiled", "fwd"))
+
+
+def profile_cases(impls, modes):
+    """The (impl, mode) pairs of :data:`PROFILE_CASES` that ``--profile`` runs: those whose impl is
+    in ``impls`` and whose mode is in ``modes``.
+
+    Raises:
+        ValueError: none is, naming the arguments and the pairs there are.
+    """
+    cases = [(i, m) for i, m in PROFILE_CASES if i in impls and m in modes]
+    if not cases:
+        pairs = ", ".join(f"{i}/{m}" for i, m in PROFILE_CASES)
+        raise ValueError(f"--profile: no profiled pair has an impl of --impls {','.join(impls)} and a mode of "
+                         f"--modes {','.join(modes)}; the pairs: {pairs}")
+    return cases
 _GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
 #: Triton kernels that are GEMMs (with their epilogues inside): logitless.ops.triton.gemm_epilogues.
 _TRITON_GEMMS = ("logits_stats_kernel", "logits_dlogits_kernel", "dw_accumulate_kernel")
@@ -625,10 +642,11 @@ def _largest_gaps(prof, k):
     return out
 
 
-def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0, ignore_frac=0.0):
+def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0, ignore_frac=0.0,
+                      cases=PROFILE_CASES):
     """Where each head path spends its GPU time, in units of one GEMM of the same run.
 
-    For each (impl, mode) of ``PROFILE_CASES``: ``reps`` steps under ``torch.profiler``; kernel time
+    For each (impl, mode) of ``cases`` (:func:`profile_cases`): ``reps`` steps under ``torch.profiler``; kernel time
     is summed per category (cuBLAS GEMMs, Triton epilogues, other torch kernels) and compared with
     the steps' wall time on CUDA events (the rest is idle GPU: launch gaps, host syncs).
     """
@@ -644,7 +662,7 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
               "n_gemm_kernels", "top_kernels", *meta]
     rows = _Rows(out, fields)
     print(f"## profile {shape}: one GEMM = {gemm_ms:.2f} ms (all figures below in GEMMs per step)")
-    for impl, mode in PROFILE_CASES:
+    for impl, mode in cases:
         f = build(impl, mode)
         if isinstance(f, str):
             print(f"{impl:13s} {mode:4s} {f}")
@@ -891,6 +909,11 @@ def main(argv=None):
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
     ap.add_argument("--table", metavar="CSV", help="only print a results CSV as markdown tables")
     args = ap.parse_args(argv)
+    if args.profile:
+        try:
+            cases = profile_cases(args.impls.split(","), args.modes.split(","))
+        except ValueError as e:
+            ap.error(str(e))
     if args.plot:
         return plot(*args.plot)
     if args.table:
@@ -910,7 +933,7 @@ def main(argv=None):
         return
     for shape in filter(None, args.profile.split(",")):
         profile_breakdown(shape, args.out, logits=args.logits.split(",")[0], logit_std=args.logit_std,
-                          ignore_frac=args.ignore_frac)
+                          ignore_frac=args.ignore_frac, cases=cases)
     if args.profile:
         return
     for shape in filter(None, args.micro.split(",")):

@@ -155,6 +155,17 @@ def test_profile_sorts_kernels_and_finds_idle_stretches(bench):
     assert gaps[0][3].startswith("aten::nonzero")
 
 
+def test_profile_runs_only_the_pairs_of_impls_and_modes(bench, capsys):
+    every = bench.profile_cases(bench.IMPLS, bench.MODES)
+    assert every == list(bench.PROFILE_CASES)
+    assert bench.profile_cases(["chunked", "tt_compiled"], ["logp"]) == [("chunked", "logp"), ("tt_compiled", "logp")]
+    with pytest.raises(ValueError, match="no profiled pair has an impl of --impls compile and a mode of --modes ce"):
+        bench.profile_cases(["compile"], ["ce"])
+    with pytest.raises(SystemExit):  # named before any GPU work
+        bench.main(["--profile", "qwen7b", "--impls", "compile", "--modes", "ce"])
+    assert "--impls compile" in capsys.readouterr().err
+
+
 def test_peaked_inputs_look_like_a_trained_lm(bench):
     # A few large logits per row: the top token takes most of the mass, the label is usually it,
     # the entropy is a few nats (a std-2 Gaussian row over 4000 tokens has ~7.5), and the requested
