@@ -9,7 +9,9 @@
 - long-prompt prefill (``prefill_h200.csv``): chunked against one forward, time and memory;
 - programmatic dependent launches (``generation_programmatic_launch_h200.csv``): the decode step
   before and after, per setting of one run;
-- one decode step's kernel time and launches by category (``decode_step_breakdown_h200.csv``).
+- one decode step's kernel time and launches by category (``decode_step_breakdown_h200.csv``);
+- the benchmark's whole grid on one version of the code (``generation_grid_h200.csv``: three
+  models, 16 and 64 rows, 512 and 2048 new tokens), in the decode step's table format.
 
 Usage:
     python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
@@ -219,6 +221,8 @@ def main(argv=None) -> None:
     print(programmatic_launch_table(_read(results / "generation_programmatic_launch_h200.csv")))
     print()
     print(step_breakdown_table(_read(results / "decode_step_breakdown_h200.csv")))
+    print()
+    print(decode_step_table(_read(results / "generation_grid_h200.csv"), ""))
 
 
 if __name__ == "__main__":
