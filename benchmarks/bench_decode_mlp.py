@@ -62,6 +62,17 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def program_rows(p, ROWS, N, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program ``p``'s weight rows ``[p * ROWS, min(N, (p + 1) * ROWS))`` as a ``BLOCK_A`` and a
+    ``BLOCK_B`` block, with their masks."""
+    r0 = p * ROWS
+    r_end = tl.minimum(N, r0 + ROWS)
+    ra = r0 + tl.arange(0, BLOCK_A)
+    rb = r0 + BLOCK_A + tl.arange(0, BLOCK_B)
+    return ra, rb, ra < r_end, rb < r_end
+
+
+@triton.jit
 def balanced_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, ROWS, KB, stride_xm, stride_wn, stride_os, stride_om,
                            GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
@@ -71,12 +82,7 @@ def balanced_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, ROWS, KB, stride_xm, 
     ``BLOCK_B`` block; out ``(SPLITS, M, N)`` (``ATOMIC``: added into ``(1, M, N)`` fp32)."""
     pn = tl.program_id(0)
     pk = tl.program_id(1)
-    r0 = pn * ROWS
-    r_end = tl.minimum(N, r0 + ROWS)
-    ra = r0 + tl.arange(0, BLOCK_A)
-    rb = r0 + BLOCK_A + tl.arange(0, BLOCK_B)
-    oka = ra < r_end
-    okb = rb < r_end
+    ra, rb, oka, okb = program_rows(pn, ROWS, N, BLOCK_A, BLOCK_B)
     kb0 = pk * KB // SPLITS
     kb1 = (pk + 1) * KB // SPLITS
     m = tl.arange(0, BLOCK_M)
@@ -281,34 +287,54 @@ def product_rows(model, m, device, sms, reps, iters):
     return rows
 
 
+def chain_weights(layers, hidden, inter, device, dtype):
+    """Per layer, a ``[gate; up]`` weight ``(2 * inter, hidden)`` and a down weight ``(hidden, inter)``."""
+    wgu = [(torch.randn(2 * inter, hidden, device=device) / math.sqrt(hidden)).to(dtype) for _ in range(layers)]
+    # small down weights keep the residual stream of many layers bounded, so errors stay comparable
+    wd = [(0.3 * torch.randn(hidden, inter, device=device) / math.sqrt(inter)).to(dtype) for _ in range(layers)]
+    return wgu, wd
+
+
+def chain_reference(h0, wgu, wd):
+    """The MLP chain ``h += down(silu(gate(h)) * up(h))`` over the layers, in float64."""
+    ref = h0.double()
+    for gu, d in zip(wgu, wd):
+        gate, up = (ref @ gu.double().T).chunk(2, dim=-1)
+        ref = ref + (F.silu(gate) * up) @ d.double().T
+    return ref
+
+
+def cublas_chain(h0, wgu, wd, hs):
+    """The chain as the decode step runs it: cuBLAS gate/up, one activation kernel, cuBLAS down and
+    one add kernel per layer, the residuals in ``hs`` (``layers + 1`` buffers). Returns the call."""
+    m, hidden = h0.shape
+    y, act = h0.new_empty(m, wgu[0].shape[0]), h0.new_empty(m, wgu[0].shape[0] // 2)
+
+    def run():
+        hs[0].copy_(h0)
+        for i in range(len(wgu)):
+            torch.mm(hs[i], wgu[i].T, out=y)
+            _act(y, act)
+            _add(hs[i], torch.mm(act, wd[i].T).unsqueeze(0), hs[i + 1], 1)
+        return hs[-1]
+    return run
+
+
 def chain_rows(model, m, layers, device, sms, reps, iters):
     """The ``chain`` section: ``layers`` MLPs with residual adds, per-layer microseconds."""
     hidden, inter = MODELS[model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    wgu = [(torch.randn(2 * inter, hidden, device=device) / math.sqrt(hidden)).to(dtype) for _ in range(layers)]
-    # small down weights keep the residual stream of many layers bounded, so errors stay comparable
-    wd = [(0.3 * torch.randn(hidden, inter, device=device) / math.sqrt(inter)).to(dtype) for _ in range(layers)]
+    wgu, wd = chain_weights(layers, hidden, inter, device, dtype)
     h0 = torch.randn(m, hidden, device=device).to(dtype)
     hs = [h0.new_empty(m, hidden) for _ in range(layers + 1)]
-    y, act = h0.new_empty(m, 2 * inter), h0.new_empty(m, inter)
+    act = h0.new_empty(m, inter)
     programs, splits = _down_split(hidden, sms)
     a, b = row_blocks(triton.cdiv(inter, sms))
     # the gated product's best measured depth (6 stages at 1.5B), within 200 KiB of shared memory
     gate_up_stages = min(6, 200 * 1024 // ((2 * (a + b) + max(16, triton.next_power_of_2(m))) * 64 * 2))
     partials = torch.empty(splits, m, hidden, device=device, dtype=torch.float32)
     summed = torch.zeros(1, m, hidden, device=device, dtype=torch.float32)
-    ref = h0.double()
-    for gu, d in zip(wgu, wd):
-        gate, up = (ref @ gu.double().T).chunk(2, dim=-1)
-        ref = ref + (F.silu(gate) * up) @ d.double().T
-
-    def cublas():
-        hs[0].copy_(h0)
-        for i in range(layers):
-            torch.mm(hs[i], wgu[i].T, out=y)
-            _act(y, act)
-            _add(hs[i], torch.mm(act, wd[i].T).unsqueeze(0), hs[i + 1], 1)
-        return hs[layers]
+    ref = chain_reference(h0, wgu, wd)
 
     def balanced(atomic, pdl, prefetch_gate_up, prefetch_down):
         def run():
@@ -324,7 +350,7 @@ def chain_rows(model, m, layers, device, sms, reps, iters):
             return hs[layers]
         return run
 
-    variants = {"cublas": cublas}
+    variants = {"cublas": cublas_chain(h0, wgu, wd, hs)}
     cuda = device.type == "cuda"
     for atomic in (False, True) if cuda else (False,):
         kind = "atomic" if atomic else "partials"

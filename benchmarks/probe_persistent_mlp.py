@@ -24,7 +24,6 @@ Example (H200):
 """
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -32,11 +31,11 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_attention import time_call  # noqa: E402
-from bench_decode_mlp import MODELS, _act, _add, _prefetch_l2, _rel_err, row_blocks  # noqa: E402
+from bench_decode_mlp import (MODELS, _prefetch_l2, _rel_err, chain_reference, chain_weights,  # noqa: E402
+                              cublas_chain, program_rows, row_blocks)
 from bench_generation import _table, comma_choices, results_csv, run_metadata  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
 
@@ -80,11 +79,9 @@ def _prefetch_down(wd_ptr, pid, n_items, NPROG, SPANS, KB_D, INTER, cols_n, BLOC
 @triton.jit
 def _prefetch_gate_up(wgu_ptr, pid, GU_ROWS, INTER, D, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
                       BLOCK_K: tl.constexpr):
-    r_end = tl.minimum(INTER, pid * GU_ROWS + GU_ROWS)
-    ra = pid * GU_ROWS + tl.arange(0, BLOCK_A)
-    rb = pid * GU_ROWS + BLOCK_A + tl.arange(0, BLOCK_B)
-    ra = tl.where(ra < r_end, ra, pid * GU_ROWS).to(tl.int64)
-    rb = tl.where(rb < r_end, rb, pid * GU_ROWS).to(tl.int64)
+    ra, rb, oka, okb = program_rows(pid, GU_ROWS, INTER, BLOCK_A, BLOCK_B)
+    ra = tl.where(oka, ra, pid * GU_ROWS).to(tl.int64)  # masked lanes prefetch the first row again
+    rb = tl.where(okb, rb, pid * GU_ROWS).to(tl.int64)
     up = INTER.to(tl.int64) * D
     for k0 in range(0, D, BLOCK_K):
         _prefetch_l2(wgu_ptr + ra * D + k0)
@@ -112,12 +109,7 @@ def persistent_mlp_kernel(h_ptr, wgu_ptr, wd_ptr, wgu_next_ptr, act_ptr, part_pt
     if PHASE == 0 and PREFETCH >= 2:
         _prefetch_down(wd_ptr, pid, n_items, NPROG, SPANS, KB_D, INTER, tl.arange(0, BLOCK_N), BLOCK_N, BLOCK_KD)
     if PHASE == 0 or PHASE == 1:
-        r0 = pid * GU_ROWS
-        r_end = tl.minimum(INTER, r0 + GU_ROWS)
-        ra = r0 + tl.arange(0, BLOCK_A)
-        rb = r0 + BLOCK_A + tl.arange(0, BLOCK_B)
-        oka = ra < r_end
-        okb = rb < r_end
+        ra, rb, oka, okb = program_rows(pid, GU_ROWS, INTER, BLOCK_A, BLOCK_B)
         ks = tl.arange(0, BLOCK_K)
         up = INTER.to(tl.int64) * D
         wa_ptrs = wgu_ptr + ra[:, None].to(tl.int64) * D + ks[None, :]
@@ -266,34 +258,15 @@ def variant_options(name: str) -> dict:
     return options
 
 
-def _weights(layers, hidden, inter, device, dtype):
-    wgu = [(torch.randn(2 * inter, hidden, device=device) / math.sqrt(hidden)).to(dtype) for _ in range(layers)]
-    # small down weights keep the residual stream of many layers bounded, so errors stay comparable
-    wd = [(0.3 * torch.randn(hidden, inter, device=device) / math.sqrt(inter)).to(dtype) for _ in range(layers)]
-    return wgu, wd
-
-
 def chain(model, m, layers, device, sms, reps, iters, variants):
     """The MLP of ``layers`` layers (distinct weights) by cuBLAS and by each persistent variant:
     microseconds per layer and the error against float64."""
     hidden, inter = MODELS[model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    wgu, wd = _weights(layers, hidden, inter, device, dtype)
+    wgu, wd = chain_weights(layers, hidden, inter, device, dtype)
     h0 = torch.randn(m, hidden, device=device).to(dtype)
     hs = [h0.new_empty(m, hidden) for _ in range(layers + 1)]
-    y, act = h0.new_empty(m, 2 * inter), h0.new_empty(m, inter)
-    ref = h0.double()
-    for gu, d in zip(wgu, wd):
-        gate, up = (ref @ gu.double().T).chunk(2, dim=-1)
-        ref = ref + (F.silu(gate) * up) @ d.double().T
-
-    def cublas():
-        hs[0].copy_(h0)
-        for i in range(layers):
-            torch.mm(hs[i], wgu[i].T, out=y)
-            _act(y, act)
-            _add(hs[i], torch.mm(act, wd[i].T).unsqueeze(0), hs[i + 1], 1)
-        return hs[layers]
+    ref = chain_reference(h0, wgu, wd)
 
     def persistent(hot=False, **kw):
         mlp = PersistentMLP(m, hidden, inter, device, dtype, sms, **kw)
@@ -309,7 +282,7 @@ def chain(model, m, layers, device, sms, reps, iters, variants):
         run.sync, run.mlp = sync, mlp
         return run
 
-    fns = {"cublas": cublas}
+    fns = {"cublas": cublas_chain(h0, wgu, wd, hs)}
     fns.update({name: persistent(**variant_options(name)) for name in variants})
     rows = []
     for name, fn in fns.items():
@@ -334,7 +307,7 @@ def phase_profile(model, m, device, sms, options, layers=24, iters=20):
     hidden, inter = MODELS[model]
     mlp = PersistentMLP(m, hidden, inter, device, torch.bfloat16, sms, **options)
     mlp.clock = torch.zeros(sms, 6, device=device, dtype=torch.int64)
-    wgu, wd = _weights(layers, hidden, inter, device, torch.bfloat16)
+    wgu, wd = chain_weights(layers, hidden, inter, device, torch.bfloat16)
     hs = [torch.randn(m, hidden, device=device).to(torch.bfloat16) for _ in range(layers + 1)]
     sync = torch.zeros(layers, mlp.sync_words(), device=device, dtype=torch.int32)
     stamps = []
