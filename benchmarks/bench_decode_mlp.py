@@ -307,7 +307,7 @@ def chain_reference(h0, wgu, wd):
 def cublas_chain(h0, wgu, wd, hs):
     """The chain as the decode step runs it: cuBLAS gate/up, one activation kernel, cuBLAS down and
     one add kernel per layer, the residuals in ``hs`` (``layers + 1`` buffers). Returns the call."""
-    m, hidden = h0.shape
+    m = h0.shape[0]
     y, act = h0.new_empty(m, wgu[0].shape[0]), h0.new_empty(m, wgu[0].shape[0] // 2)
 
     def run():

@@ -47,8 +47,8 @@ and entropy; the objective in ``obj``), dh and dW.
 Other modes: ``--tradeoffs SHAPE`` (workspace size and ignored rows, triton only), ``--micro
 SHAPE`` (chunk GEMMs, epilogue launch shapes, a profile), ``--profile SHAPES`` (the GPU time of
 each profiled path within ``--impls`` and ``--modes`` split into GEMMs, epilogues, other kernels
-and idle), ``--hgemm-sweep SHAPES`` (block sizes
-of the Triton head GEMMs), ``--hgemm-blocks`` (set them for a run), ``--plot CSV PNG``.
+and idle), ``--hgemm-sweep SHAPES`` (block sizes of the Triton head GEMMs), ``--hgemm-blocks``
+(set them for a run), ``--plot CSV PNG``.
 
 Example:
     PYTHONPATH=components python benchmarks/bench_head.py --shapes qwen7b \
@@ -548,6 +548,8 @@ def profile_cases(impls, modes):
         raise ValueError(f"--profile: no profiled pair has an impl of --impls {','.join(impls)} and a mode of "
                          f"--modes {','.join(modes)}; the pairs: {pairs}")
     return cases
+
+
 _GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
 #: Triton kernels that are GEMMs (with their epilogues inside): logitless.ops.triton.gemm_epilogues.
 _TRITON_GEMMS = ("logits_stats_kernel", "logits_dlogits_kernel", "dw_accumulate_kernel")
@@ -646,9 +648,10 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
                       cases=PROFILE_CASES):
     """Where each head path spends its GPU time, in units of one GEMM of the same run.
 
-    For each (impl, mode) of ``cases`` (:func:`profile_cases`): ``reps`` steps under ``torch.profiler``; kernel time
-    is summed per category (cuBLAS GEMMs, Triton epilogues, other torch kernels) and compared with
-    the steps' wall time on CUDA events (the rest is idle GPU: launch gaps, host syncs).
+    For each (impl, mode) of ``cases`` (:func:`profile_cases`): ``reps`` steps under
+    ``torch.profiler``; kernel time is summed per category (cuBLAS GEMMs, Triton epilogues, other
+    torch kernels) and compared with the steps' wall time on CUDA events (the rest is idle GPU:
+    launch gaps, host syncs).
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -279,7 +279,7 @@ def chain(model, m, layers, device, sms, reps, iters, variants):
                 j, nxt = (0, 0) if hot else (i, (i + 1) % layers)  # hot: one layer's weights, from the L2
                 mlp(hs[i], wgu[j], wd[j], hs[i + 1], sync[i], wgu[nxt])
             return hs[layers]
-        run.sync, run.mlp = sync, mlp
+        run.sync, run.mlp, run.hot = sync, mlp, hot
         return run
 
     fns = {"cublas": cublas_chain(h0, wgu, wd, hs)}
@@ -287,7 +287,7 @@ def chain(model, m, layers, device, sms, reps, iters, variants):
     rows = []
     for name, fn in fns.items():
         got = fn()
-        err = float("nan") if variant_options("" if name == "cublas" else name).get("hot") else _rel_err(got, ref)
+        err = float("nan") if getattr(fn, "hot", False) else _rel_err(got, ref)
         if hasattr(fn, "sync") and fn.mlp.persistent:  # each program passed each barrier once
             want = 1 if fn.mlp.fixup else 2
             seen = fn.sync[:, :want].cpu()
@@ -320,8 +320,7 @@ def phase_profile(model, m, device, sms, options, layers=24, iters=20):
     c = torch.stack(stamps)  # (launches, programs, 6) us
     lengths = (c[:, :, 1:] - c[:, :, :-1]).flatten(0, 1).median(dim=0).values
     whole = (c[:, :, 5].amax(1) - c[:, :, 0].amin(1)).median()
-    names = ("gate_up_us", "prefetch_us", "barrier_us", "down_us", "reduce_us")
-    return {**{n: round(v.item(), 2) for n, v in zip(names, lengths)}, "launch_us": round(whole.item(), 2)}
+    return {**{n: round(v.item(), 2) for n, v in zip(PHASES[:-1], lengths)}, PHASES[-1]: round(whole.item(), 2)}
 
 
 def main(argv=None) -> int:
@@ -355,9 +354,12 @@ def main(argv=None) -> int:
             rows += chain(model, m, args.layers, device, sms, args.reps, args.iters, variants)
     if args.phases and device.type == "cuda":
         for row in rows:
+            if row["variant"] == "cublas":
+                continue
+            options = variant_options(row["variant"])
             # hot rows: one layer's weights from the L2; the phase profile reads every layer's
-            if row["variant"] != "cublas" and not variant_options(row["variant"]).get("hot"):
-                row.update(phase_profile(row["model"], row["rows"], device, sms, variant_options(row["variant"])))
+            if not options.pop("hot", False):
+                row.update(phase_profile(row["model"], row["rows"], device, sms, options))
     rows = [{**meta, **r} for r in rows]
     if device.type == "cuda" or args.out:
         out = Path(args.out or results_csv("persistent_mlp", meta["gpu"]))
