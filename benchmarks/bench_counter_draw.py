@@ -1,10 +1,10 @@
 """The compiled sampler's draw alone: its time, its tokens against float64 and its Gumbel's accuracy.
 
-:func:`logitless.ops.triton.counter_sampling.counter_draw` draws the next token of every row from
+:func:`logitless.generation.kernels.counter_sampling.counter_draw` draws the next token of every row from
 its logits with the counter stream. One CSV, a row per measurement, its kind in ``section``:
 
 * ``gumbel``: ``log2(-log2(u))`` over the ``2**23`` uniforms of
-  :func:`~logitless.rl.rollout.sampling.uniform_from_bits` (every ``--gumbel-stride``-th), as the
+  :func:`~logitless.generation.sampling.uniform_from_bits` (every ``--gumbel-stride``-th), as the
   kernel computes it (``kernel``: the outer log ``lg2.approx`` on CUDA), with both logs accurate
   (``accurate``) and, on CUDA, both ``lg2.approx`` (``both_approx``): the largest error against
   float64 (``max_err_ulps``: in ulps of ``max(|g|, 1)``), whether every value is finite and the
@@ -44,9 +44,9 @@ from bench_decode_attention import _ints, time_call  # noqa: E402
 from bench_generation import _table, results_csv, run_metadata  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
 
-from logitless.ops.triton import counter_sampling  # noqa: E402
-from logitless.ops.triton.counter_sampling import _gumbel2  # noqa: E402
-from logitless.rl.rollout.sampling import counter_uniform, token_hashes  # noqa: E402
+from logitless.generation.kernels import counter_sampling  # noqa: E402
+from logitless.generation.kernels.counter_sampling import _gumbel2  # noqa: E402
+from logitless.generation.sampling import counter_uniform, token_hashes  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "section", "code", "variant", "rows", "vocab", "temperature",
           "us", "same_tokens", "draws", "logp_max_err", "other_tokens", "max_err_ulps", "finite", "monotone"]

@@ -10,7 +10,7 @@ few columns of left padding. Methods:
   a K/V head folded into SDPA's query axis, a boolean mask, over the filled length rounded up to
   ``--window`` columns (its ``attention_window``);
 * ``sdpa_full``: the same over the whole cache (``attention_window=None``);
-* ``split_k``: :func:`logitless.ops.triton.decode_attention` (``decode_attention="split_k"``), with the
+* ``split_k``: :func:`logitless.generation.kernels.decode_attention` (``decode_attention="split_k"``), with the
   automatic split length, and with each of ``--split-lens`` when given (times each of ``--block-ns``,
   ``--warps``, ``--stages`` and ``--programmatic``: a sweep of the launch parameters; the kernel's
   defaults where none is given). The CSV records the parameters each run resolved to.
@@ -75,9 +75,9 @@ def make_inputs(model, rows, cache_len, device, dtype, prompt_len=0, group=1):
 
 
 def shared_prefix(model, rows, prompt_len, group, device):
-    """The :class:`~logitless.ops.triton.decode_attention.SharedPrefix` of ``rows // group`` groups
-    (each cut into segments of :func:`~logitless.ops.triton.decode_attention.prefix_rows` rows)."""
-    from logitless.ops.triton.decode_attention import SharedPrefix, group_segments, prefix_rows
+    """The :class:`~logitless.generation.kernels.decode_attention.SharedPrefix` of ``rows // group`` groups
+    (each cut into segments of :func:`~logitless.generation.kernels.decode_attention.prefix_rows` rows)."""
+    from logitless.generation.kernels.decode_attention import SharedPrefix, group_segments, prefix_rows
 
     hq, hkv, _ = SHAPES[model]
     per = prefix_rows(hq // hkv, group)
@@ -88,7 +88,7 @@ def shared_prefix(model, rows, prompt_len, group, device):
 
 def _kernel_module():
     # the module itself: the package attribute of that name is the function
-    return importlib.import_module("logitless.ops.triton.decode_attention")
+    return importlib.import_module("logitless.generation.kernels.decode_attention")
 
 
 def sdpa_step(q, k, v, valid, n_filled, window):
@@ -108,7 +108,7 @@ def methods(args, cache_len, filled, prefix=None):
     ``prefix``, a SharedPrefix) once per ``--prefix-split-lens`` x ``--prefix-block-ns`` x
     ``--prefix-warps`` (these two set the module's constants) x split length of the rows' own
     columns (``auto`` and ``--split-lens``)."""
-    from logitless.ops.triton import decode_attention
+    from logitless.generation.kernels.decode_attention import decode_attention
     module = _kernel_module()
 
     window = min(cache_len, -(-filled // args.window) * args.window)
@@ -176,7 +176,7 @@ def time_call(fn, device, reps, iters):
 
 def resolved_launch(launch, rows, kv_heads, cache_len, filled, device):
     """The launch parameters split-K runs with: those given, the kernel's defaults for the rest
-    (:func:`logitless.ops.triton.decode_attention.resolve_launch`).
+    (:func:`logitless.generation.kernels.decode_attention.resolve_launch`).
 
     Returns:
         dict: ``split_len`` (``"auto"`` or the one given), ``resolved_split_len`` (with ``"auto"``
@@ -190,7 +190,7 @@ def resolved_launch(launch, rows, kv_heads, cache_len, filled, device):
                                      launch["num_warps"] or 0, launch["num_stages"] or 0)
     chosen = resolved.split_len
     if resolved.max_split_len > resolved.split_len:
-        chosen = module.fill_split_len(filled, rows * kv_heads, module._num_sms(device), resolved.split_len,
+        chosen = module.fill_split_len(filled, rows * kv_heads, module.sm_count(device), resolved.split_len,
                                        resolved.max_split_len)
     return dict(split_len="auto" if split is None else split, resolved_split_len=chosen, block_n=resolved.block_n,
                 num_warps=resolved.num_warps, num_stages=resolved.num_stages,

@@ -1,4 +1,4 @@
-"""The decode step's linear layers alone: cuBLAS against :func:`logitless.ops.triton.decode_linear`.
+"""The decode step's linear layers alone: cuBLAS against :func:`logitless.generation.kernels.decode_linear`.
 
 For each model's decode products at ``--rows`` rows (Qwen2.5 shapes; ``qkv``: the concatenated
 q/k/v projection with its bias, ``o``: the attention output, ``gate_up``: the MLP's concatenated
@@ -43,8 +43,8 @@ from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_b
                               results_csv)
 from bench_sft import append_rows  # noqa: E402
 
-from logitless.ops.triton.decode_attention import _num_sms  # noqa: E402
-from logitless.ops.triton.decode_linear import (DecodeLinearLaunch, decode_linear,  # noqa: E402
+from logitless._platform import sm_count  # noqa: E402
+from logitless.generation.kernels.decode_linear import (DecodeLinearLaunch, decode_linear,  # noqa: E402
                                                 decode_linear_launch, decode_linear_reference)
 
 #: hidden, query heads, K/V heads, head_dim, intermediate (torchtune's Qwen2.5 builders).
@@ -116,7 +116,7 @@ def bench(args):
                 methods = [("cublas", None, lambda w: F.linear(x, w, bias))]
                 if gated:
                     methods.append(("cublas_act", None, lambda w: act(F.linear(x, w))))
-                default = decode_linear_launch(n, k, gated, _num_sms(device))
+                default = decode_linear_launch(n, k, gated, sm_count(device))
                 methods += [("triton", default, None), ("triton_pdl", default, None)]
                 methods += [(name, None, lambda w, tuned=name == "quack_tuned": quack_linear(x, w, bias, tuned))
                             for name in ("quack", "quack_tuned")]

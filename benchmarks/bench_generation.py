@@ -15,7 +15,7 @@ prompt length and number of new tokens, every sampler samples the same prompts t
 ``--decode-attention sdpa,split_k`` runs ``compiled`` and ``unfused`` once per decode attention
 (``CompiledSampler(decode_attention=...)``; the CSV's ``decode_attention`` column says which).
 
-Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` with ``fused_projections="shared"``,
+Samplers: ``compiled`` (``logitless.generation.CompiledSampler`` with ``fused_projections="shared"``,
 as ``configs/qwen_grpo.yaml`` builds it; the class's default is ``False``) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
 in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
@@ -174,7 +174,7 @@ def make_samplers(names, compile, cache_len, options=None, attentions=("sdpa",))
     ``options`` go to ``compiled`` and ``unfused``, which are built once per decode attention in
     ``attentions``; ``baseline`` attends with SDPA, ``eager`` with torchtune's layers (``-``).
     """
-    from logitless.rl.rollout import CompiledSampler, generate
+    from logitless.generation import CompiledSampler, generate
 
     accepted = inspect.signature(CompiledSampler).parameters
     # what reproduces the sampler before compaction and in-graph draws, where this version has them
@@ -213,7 +213,7 @@ def timed(fn, device):
 
 def sample(sampler, model, prompts, new_tokens, stops, seed):
     device = next(model.parameters()).device
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     gens = prompt_generators(seed, 0, range(len(prompts)), device)
     return sampler(model, prompts, max_new_tokens=new_tokens, stop_tokens=stops, pad_id=0,

@@ -6,10 +6,10 @@ sampled at temperature 1 from the full vocabulary, with:
 
 * ``torchtune``: ``torchtune.generation.generate`` with its KV cache (prompts repeated G times; it
   keeps fp32 ``[N, T, V]`` logits);
-* ``eager``: ``logitless.rl.rollout.eager.generate`` (KV cache, last-position logits only);
-* ``fast_nocompile``: ``logitless.rl.rollout.compiled`` without compile (prefill once per group,
+* ``eager``: ``logitless.generation.eager.generate`` (KV cache, last-position logits only);
+* ``fast_nocompile``: ``logitless.generation.compiled`` without compile (prefill once per group,
   static caches) - attributes the gain between the shared prefill and the compiled step;
-* ``fast``: ``logitless.rl.rollout.compiled`` with the compiled decode step (CUDA graphs);
+* ``fast``: ``logitless.generation.compiled`` with the compiled decode step (CUDA graphs);
 * ``fast_ungrouped`` (not in the default list): ``fast`` with torchtune's own attention, which
   copies K/V once per query head (isolates the grouped-attention gain);
 * ``hf``: HF transformers ``generate`` (``num_return_sequences=G``, its default dynamic cache) on a
@@ -86,7 +86,7 @@ def _hf_model(tt_model, device):
 
 def _run(backend, model, hf, prompts, groups, new_tokens, fast, seed):
     """Runs one generator; returns the number of new tokens per row it produced."""
-    from logitless.rl.rollout.eager import generate as eager_generate
+    from logitless.generation.eager import generate as eager_generate
 
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -118,7 +118,7 @@ def _run(backend, model, hf, prompts, groups, new_tokens, fast, seed):
 def _agreement(model, sampler, prompts, groups, new_tokens=32):
     """Greedy tokens of the compiled fast sampler against the eager one (a GPU check of the
     CUDA-graph path): share of identical rows and mean length of the common prefix."""
-    from logitless.rl.rollout.eager import generate as eager_generate
+    from logitless.generation.eager import generate as eager_generate
 
     kw = dict(max_new_tokens=new_tokens, stop_tokens=[-1], pad_id=0, num_generations=groups, temperature=0)
     a = eager_generate(model, prompts, **kw).completion_tokens
@@ -164,7 +164,7 @@ def _timed(fn, device):
 
 def bench_model(name, args, device, writer, rows):
     """All prompt lengths and backends for one model."""
-    from logitless.rl.rollout.compiled import CompiledSampler as FastGenerator
+    from logitless.generation.compiled import CompiledSampler as FastGenerator
 
     model = build_dotted(MODELS[name], device)
     vocab = model.tok_embeddings.num_embeddings

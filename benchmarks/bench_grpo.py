@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_ge
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
 from logitless.rl.metrics import update_flops  # noqa: E402
-from logitless.rl.rollout import compiled  # noqa: E402
+from logitless.generation import compiled  # noqa: E402
 from logitless.losses._base import as_head_input  # noqa: E402
-from logitless.rl.rollout import Rollout, generate  # noqa: E402
+from logitless.generation import Rollout, generate  # noqa: E402
 from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
@@ -409,7 +409,7 @@ def main(argv=None):
     p.add_argument("--impls", default="chunked,triton,full_logits,triton+prompt_once")
     p.add_argument("--G", type=int_list, default=[16], help="completions per prompt (comma list)")
     p.add_argument("--generator", default="eager", choices=("eager", "fast"),
-                   help="sampler: rl.rollout.eager or rl.rollout.compiled (static cache, compiled decode)")
+                   help="sampler: generation.eager or generation.compiled (static cache, compiled decode)")
     p.add_argument("--update-only", action="store_true", help="random completions instead of sampling")
     p.add_argument("--prompt-len", type=int_list, default=[1024], help="comma list")
     p.add_argument("--completion-len", type=int_list, default=[512], help="comma list")

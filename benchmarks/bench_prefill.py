@@ -4,7 +4,7 @@ For each model (torchtune Qwen2.5 builders, random bf16 weights), prompt count P
 group of G=16 completions shares one prefill, as the compiled sampler runs it) and prompt width W,
 two measurements per chunk setting:
 
-* ``prefill``: :func:`logitless.rl.rollout.prefill.prefill` of the P prompts into a P-row KV cache of
+* ``prefill``: :func:`logitless.generation.prefill.prefill` of the P prompts into a P-row KV cache of
   width W (what ``CompiledSampler`` does before copying the cache into the group's rows):
   ``prefill_s`` and ``prefill_extra_gib``, the peak allocated above the weights and that cache (the
   forwards' working memory: activations, MLP intermediate, masks, attention workspace);
@@ -69,8 +69,8 @@ def measure_prefill(model, prompts, chunk_tokens, device):
     otherwise land on whichever setting runs first)."""
     from torchtune.modules.common_utils import local_kv_cache
 
-    from logitless.rl.rollout.prefill import prefill
-    from logitless.rl.rollout.result import left_pad
+    from logitless.generation.prefill import prefill
+    from logitless.generation.result import left_pad
 
     tokens, prompt_mask = left_pad(prompts, 0, device)
     positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
@@ -92,7 +92,7 @@ def measure_prefill(model, prompts, chunk_tokens, device):
 def measure_call(model, prompts, chunk_tokens, device):
     """Seconds and peak GiB above the weights of a one-token ``CompiledSampler`` call, timed after an
     untimed one."""
-    from logitless.rl.rollout import CompiledSampler
+    from logitless.generation import CompiledSampler
 
     sampler = CompiledSampler(compile=False, keep_cache=False, prefill_chunk_tokens=chunk_tokens)
     def call():

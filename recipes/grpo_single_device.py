@@ -30,12 +30,12 @@ from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
 from logitless.rl.evaluation import greedy_accuracy
 from logitless.rl.metrics import gather_columns, rollout_metrics, update_flops
-from logitless.rl.policy_sampler import PolicySampler
+from logitless.generation.policy_sampler import PolicySampler
 from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, step_prompt_indices
 from logitless.rl.reference import build_reference
 from logitless.rl.reward_models import place_reward_models
 from logitless.rl.rewards import build_reward_specs, compute_rewards
-from logitless.rl.rollout import prompt_generators
+from logitless.generation import prompt_generators
 from logitless.rl.shared_batch import step_packing_attention, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from logitless.ops.triton import counter_sampling
+from logitless.generation.kernels import counter_sampling
 
 
 @pytest.fixture(scope="module")

@@ -75,8 +75,8 @@ def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tm
     import importlib
 
     # the plumbing is tested here, the kernel in tests/ops: its plain PyTorch fallback keeps this fast
-    kernels = importlib.import_module("logitless.ops.triton.decode_attention")
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    kernels = importlib.import_module("logitless.generation.kernels.decode_attention")
+    monkeypatch.setattr(kernels, "triton_interpreting", lambda: False)
     out = tmp_path / "gen.csv"
     assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "4",
                        "--new-tokens", "4", "--samplers", "compiled,baseline", "--decode-attention", "sdpa,split_k",

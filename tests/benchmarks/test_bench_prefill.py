@@ -34,7 +34,7 @@ def test_each_timed_prefill_follows_an_untimed_one_of_its_shape(bench, monkeypat
     # first would be charged for them
     import torch
 
-    from logitless.rl.rollout import prefill as prefill_module
+    from logitless.generation import prefill as prefill_module
 
     calls, real = [], prefill_module.prefill
 

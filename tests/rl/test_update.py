@@ -8,7 +8,7 @@ import torch
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
-from logitless.rl.rollout import Rollout, generate
+from logitless.generation import Rollout, generate
 from logitless.rl.reference import ReferencePolicy
 from logitless.rl.update import grpo_update
 

@@ -1,16 +1,12 @@
 """The public head ops: validate once, pick an implementation, flatten, call it, reshape back."""
 
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
 
+from logitless._platform import triton_interpreting
 from logitless.ops import _validate, chunked, reference
 from logitless.ops.row_objective import RowObjective
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -32,7 +28,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     impl = _validate.canonical_impl(impl)
     if impl == "auto":
         return "triton" if device.type == "cuda" and dtype != torch.float64 else "chunked"
-    if impl == "triton" and device.type != "cuda" and not _interpreting():
+    if impl == "triton" and device.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
             f"got tensors on {device}; use impl='chunked' or 'auto' on the CPU"

@@ -11,7 +11,7 @@ from logitless.rl.reference import ReferencePolicy, build_reference
 from logitless.rl.rewards import (
     RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format, math_correctness,
 )
-from logitless.rl.rollout import Rollout, generate, left_pad, sample_next
+from logitless.generation import Rollout, generate, left_pad, sample_next
 from logitless.rl.shared_batch import SharedGroupBatch, shared_batch, training_batch
 from logitless.rl.update import grpo_update
 

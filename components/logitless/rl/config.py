@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from logitless.rl.preflight import check_generation
 from logitless.rl.rewards import build_reward_specs
-from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
+from logitless.generation import SAMPLER_KEYS, build_sampler
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
 from logitless.training.config import ConfigError, Key, validate_config
 from logitless.training.distributed import FSDP_KEYS

@@ -1,8 +1,8 @@
-"""Former home of :mod:`logitless.rl.rollout.eager` (and of ``decoding_layer`` and ``run_decoding_layer``,
-now in :mod:`logitless.rl.rollout.trunk`): its names still resolve here, with a FutureWarning."""
+"""Former home of :mod:`logitless.generation.eager` (and of ``decoding_layer`` and ``run_decoding_layer``,
+now in :mod:`logitless.generation.trunk`): its names still resolve here, with a FutureWarning."""
 
 from logitless._moved import forward_to
-from logitless.rl.rollout import eager, trunk
+from logitless.generation import eager, trunk
 
 _to_eager, _to_trunk = forward_to("logitless.rl.generation", eager), forward_to("logitless.rl.generation", trunk)
 

@@ -1,6 +1,6 @@
-"""Former home of :mod:`logitless.rl.rollout.builder`: its names still resolve here, with a FutureWarning."""
+"""Former home of :mod:`logitless.generation.builder`: its names still resolve here, with a FutureWarning."""
 
 from logitless._moved import forward_to
-from logitless.rl.rollout import builder
+from logitless.generation import builder
 
 __getattr__ = forward_to("logitless.rl.samplers", builder)

@@ -1,6 +1,6 @@
-"""Former home of :mod:`logitless.rl.rollout.sampling`: its names still resolve here, with a FutureWarning."""
+"""Former home of :mod:`logitless.generation.sampling`: its names still resolve here, with a FutureWarning."""
 
 from logitless._moved import forward_to
-from logitless.rl.rollout import sampling
+from logitless.generation import sampling
 
 __getattr__ = forward_to("logitless.rl.sampling", sampling)

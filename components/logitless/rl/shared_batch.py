@@ -18,7 +18,7 @@ from torch import nn
 from logitless.modules import HeadInput, unwrap_compiled
 from logitless.modules.cascade_attention import cascade_layout, enable_cascade_attention
 from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups, segment_mask
-from logitless.rl.rollout.result import Rollout
+from logitless.generation.result import Rollout
 
 ATTENTION = ("cascade", "sdpa", "flex")
 #: ``prompt_sharing_attention`` in a config: ``auto`` chooses per step (:func:`packing_attention`).
@@ -213,7 +213,7 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
     """Groups a rollout's rows (contiguous groups of G) and strips each prompt's left padding.
 
     Args:
-        rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`) (N = prompts x G rows).
+        rollout (Rollout): from a sampler (:mod:`logitless.generation`) (N = prompts x G rows).
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
         attention (str): ``"cascade"``, ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from logitless.rl.rollout import compiled
-from logitless.rl.rollout.compiled import CompiledSampler
-from logitless.rl.rollout.fused import FusedProjections
-from logitless.rl.rollout.trunk import decoding_layer
+from logitless.generation import compiled
+from logitless.generation.compiled import CompiledSampler
+from logitless.generation.fused import FusedProjections
+from logitless.generation.trunk import decoding_layer
 
 from .test_compiled import NEVER, PROMPTS, tiny
 

@@ -9,9 +9,9 @@ from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
 
 import logitless
 from logitless.modules import wrap_output_head
-from logitless.rl.rollout import compiled
-from logitless.rl.rollout.compiled import CompiledSampler, generate as fast_generate
-from logitless.rl.rollout.eager import generate as eager_generate
+from logitless.generation import compiled
+from logitless.generation.compiled import CompiledSampler, generate as fast_generate
+from logitless.generation.eager import generate as eager_generate
 
 VOCAB = 97
 NEVER = [-1]  # a stop id no sampler can produce: completions run to max_new_tokens
@@ -138,7 +138,7 @@ def test_layers_with_hooks_are_called_as_modules():
 
 def test_activation_checkpointing_is_skipped_when_decoding():
     """No-grad decoding keeps no activations: the checkpoint wrapper is stepped past (same tokens)."""
-    from logitless.rl.rollout.trunk import decoding_layer
+    from logitless.generation.trunk import decoding_layer
     from logitless.training.model import apply_activation_checkpointing
 
     model = tiny().eval()
@@ -320,7 +320,7 @@ def test_programmatic_launch_adds_pdl_to_the_cuda_graph_mode_where_supported(mon
 
     from torch._inductor import list_mode_options
 
-    da = importlib.import_module("logitless.ops.triton.decode_attention")  # the package exports a same-named function
+    da = importlib.import_module("logitless.generation.kernels.decode_attention")  # the package exports a same-named function
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(da, "supports_programmatic_launch", lambda device: device.type == "cuda")
@@ -356,7 +356,7 @@ def test_refuses_model_with_caches_and_too_small_cache():
 def test_compiled_step_with_compaction_is_one_graph_for_every_bucket():
     from torch._dynamo.utils import counters
 
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     torch._dynamo.reset()
     counters.clear()
@@ -419,7 +419,7 @@ def _kernel_launches(monkeypatch):
     under the Triton interpreter), and those with a new token to rotate and write in ``launches.new_token``."""
     import importlib
 
-    module = importlib.import_module("logitless.ops.triton.decode_attention")
+    module = importlib.import_module("logitless.generation.kernels.decode_attention")
 
     class Launches(list):
         new_token = 0
@@ -435,7 +435,7 @@ def _kernel_launches(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(module, "_launch", record)
-    return launches, module._interpreting()
+    return launches, module.triton_interpreting()
 
 
 def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch):
@@ -463,7 +463,7 @@ def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch
 
 
 def test_shared_prompt_decode_rule():
-    from logitless.rl.rollout import compiled
+    from logitless.generation import compiled
 
     cpu = torch.device("cpu")
     model = tiny()  # 2 K/V heads of 8: a prompt needs 2^13 columns to reach the rule's elements
@@ -499,9 +499,9 @@ def test_shared_prompt_decode_rule():
 def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_padding(monkeypatch, max_queries):
     import importlib
 
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
-    module = importlib.import_module("logitless.ops.triton.decode_attention")
+    module = importlib.import_module("logitless.generation.kernels.decode_attention")
     monkeypatch.setattr(module, "MAX_PREFIX_QUERIES", max_queries)
     launches, interpreted = _kernel_launches(monkeypatch)
     model = tiny(seed=2, tied=False).eval()
@@ -575,7 +575,7 @@ def _one_graph_for_every_bucket_samples_as_eager(**options):
     of the uncompiled sampler without compaction."""
     from torch._dynamo.utils import counters
 
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     torch._dynamo.reset()
     counters.clear()
@@ -614,7 +614,7 @@ def _linear_calls(monkeypatch):
     calls, call = [], module.decode_linear
     monkeypatch.setattr(module, "decode_linear", lambda x, w, b=None, **kw: calls.append(
         (x.shape[0], w.shape[0] // (2 if kw.get("gated") else 1), kw.get("gated", False))) or call(x, w, b, **kw))
-    return calls, module._interpreting()
+    return calls, module.triton_interpreting()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])

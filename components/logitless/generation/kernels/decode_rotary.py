@@ -43,8 +43,8 @@ from torchtune.models.phi3._position_embeddings import Phi3RotaryPositionalEmbed
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import RotaryPositionalEmbeddings
 
-from logitless.ops.dispatch import _interpreting
-from logitless.ops.triton.decode_attention import NewToken, supports_programmatic_launch, write_new_token_reference
+from logitless._platform import triton_interpreting
+from logitless.generation.kernels.decode_attention import NewToken, supports_programmatic_launch, write_new_token_reference
 
 __all__ = ["RotaryTable", "decode_rotary_cache", "decode_rotary_cache_reference", "rotary_table",
            "rotation_coefficients"]
@@ -105,7 +105,7 @@ def rotary_table(module: Optional[nn.Module], head_dim: int) -> Optional[RotaryT
 
 def rotation_coefficients(spec: RotaryTable, positions: Tensor, head_dim: int,
                           dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """Each row's rotation as :class:`~logitless.ops.triton.decode_attention.NewToken` takes it: cos
+    """Each row's rotation as :class:`~logitless.generation.kernels.decode_attention.NewToken` takes it: cos
     and signed sin per element, fp32, read from a rotary module's table at each row's position.
 
     Args:
@@ -208,7 +208,7 @@ def _decode_rotary_cache_op(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, 
                             k_cache: Tensor, v_cache: Tensor, programmatic: bool) -> Tensor:
     """``(B, Hq, D)`` rotated query; writes the caches. See :func:`decode_rotary_cache`."""
     spec = RotaryTable(table, stride_pos, stride_pair, sin_offset, interleaved, round_table)
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or triton_interpreting()):
         return decode_rotary_cache_reference(q, k, v, positions, spec, col, k_cache, v_cache)
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -248,7 +248,7 @@ def decode_rotary_cache(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, spec
         k_cache (Tensor): ``(B, Hkv, L, D)``, written at ``[:, :, col]`` with the rotated key.
         v_cache (Tensor): ``(B, Hkv, L, D)``, written at ``[:, :, col]`` with the value.
         programmatic (bool): a programmatic dependent launch where the GPU has them
-            (:func:`~logitless.ops.triton.decode_attention.supports_programmatic_launch`).
+            (:func:`~logitless.generation.kernels.decode_attention.supports_programmatic_launch`).
 
     Returns:
         Tensor: ``(B, Hq, D)``, the rotated query, contiguous, in ``q``'s dtype.

@@ -1,4 +1,4 @@
-"""The compiled sampler's Triton draw (``logitless.ops.triton.counter_sampling``) against the PyTorch
+"""The compiled sampler's Triton draw (``logitless.generation.kernels.counter_sampling``) against the PyTorch
 reference :func:`sample_counter`, in the interpreter at small odd shapes (CUDA on a GPU)."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.ops.triton.counter_sampling import _gumbel2, counter_draw, counter_draw_splits
-from logitless.rl.rollout import CompiledSampler, compiled, prompt_generators
-from logitless.rl.rollout.sampling import sample_counter
+from logitless.generation.kernels.counter_sampling import _gumbel2, counter_draw, counter_draw_splits
+from logitless.generation import CompiledSampler, compiled, prompt_generators
+from logitless.generation.sampling import sample_counter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +46,7 @@ def test_several_spans_per_row_are_folded_in_order():
 
 def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(monkeypatch):
     # one span per row: each program walks 3 blocks of 4096 columns, several columns per lane per block
-    from logitless.ops.triton import counter_sampling
+    from logitless.generation.kernels import counter_sampling
 
     monkeypatch.setattr(counter_sampling, "counter_draw_splits", lambda rows, vocab, num_sms=132: 1)
     logits = torch.zeros(3, 9001, device=DEVICE)
@@ -66,7 +66,7 @@ def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(
 
 
 def test_a_token_whose_hash_is_the_largest_is_drawn_only_by_its_probability():
-    # the (key, step, token) of tests/rl/rollout/test_compaction.py whose 24-bit uniform was exactly 1
+    # the (key, step, token) of tests/generation/test_compaction.py whose 24-bit uniform was exactly 1
     logits = torch.zeros(2, 1000, device=DEVICE)
     logits[:, 389] = -40.0
     keys = torch.tensor([1657, 1657], device=DEVICE)

@@ -6,9 +6,9 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from logitless.rl.rollout.compiled import CompiledSampler
-from logitless.rl.rollout.eager import generate
-from logitless.rl.rollout.prefill import check_prefill_chunk_tokens
+from logitless.generation.compiled import CompiledSampler
+from logitless.generation.eager import generate
+from logitless.generation.prefill import check_prefill_chunk_tokens
 
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
 SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy", "compaction", "attention_window",
@@ -93,7 +93,7 @@ def uses_rollout_copy(options: Dict[str, Any], device: torch.device, *, sharded:
 
 def build_sampler(options: Dict[str, Any], device: torch.device, *,
                   sharded: bool = False, cpu_offload: bool = False) -> Tuple[Callable, Callable]:
-    """Returns ``(train_sampler, eval_sampler)``, both with :func:`logitless.rl.rollout.eager.generate`'s call.
+    """Returns ``(train_sampler, eval_sampler)``, both with :func:`logitless.generation.eager.generate`'s call.
 
     Args:
         options (Dict[str, Any]): ``backend`` (``"auto"``: compiled on CUDA, eager elsewhere |
@@ -104,7 +104,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             ``programmatic_launch`` (null: where supported), ``shared_prompt_decode`` (null: where it
             measured faster) and ``decode_linear`` (``auto`` | ``cublas`` | ``triton``) (:class:`CompiledSampler`); for both, ``prefill_chunk_tokens`` (tokens per prefill
             forward; null: one forward; absent: the samplers' default,
-            :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS`).
+            :data:`~logitless.generation.prefill.DEFAULT_PREFILL_CHUNK_TOKENS`).
         device (torch.device): where the policy lives.
         sharded (bool): the policy is FSDP2-sharded. With a rollout copy (:func:`uses_rollout_copy`)
             the samplers see that unsharded copy and behave as on one device. Without it they run on

@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from logitless.rl.rollout.trunk import decoder_hidden, last_position_logits
+from logitless.generation.trunk import decoder_hidden, last_position_logits
 
 __all__ = ["DEFAULT_PREFILL_CHUNK_TOKENS", "causal_key_mask", "check_prefill_chunk_tokens", "prefill",
            "prefill_chunk_columns"]

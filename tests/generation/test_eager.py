@@ -8,9 +8,9 @@ from torch.nn import functional as F
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch, policy_forward
-from logitless.rl.rollout.eager import generate
-from logitless.rl.rollout.result import left_pad
-from logitless.rl.rollout.sampling import sample_next
+from logitless.generation.eager import generate
+from logitless.generation.result import left_pad
+from logitless.generation.sampling import sample_next
 
 V = 64
 EOS = 3

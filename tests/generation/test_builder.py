@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from logitless.rl.rollout import CompiledSampler, build_sampler, generate, uses_rollout_copy
+from logitless.generation import CompiledSampler, build_sampler, generate, uses_rollout_copy
 
 
 def test_backend_selection():
@@ -54,7 +54,7 @@ def test_sharded_policies_on_cuda_sample_a_rollout_copy_like_one_device():
 def test_per_prompt_streams_make_a_groups_completions_independent_of_the_batch(sampler):
     """What lets data-parallel ranks sample their share of the prompts and get the one-device rollout."""
     from logitless.models import qwen2_5_tiny
-    from logitless.rl.rollout.sampling import prompt_generators
+    from logitless.generation.sampling import prompt_generators
 
     torch.manual_seed(0)
     model = qwen2_5_tiny(vocab_size=64, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
@@ -94,15 +94,15 @@ def test_former_module_paths_still_resolve_with_a_future_warning(old, new, name)
     import importlib
 
     module = importlib.import_module(f"logitless.rl.{old}")
-    with pytest.warns(FutureWarning, match=f"logitless.rl.{old}.{name} moved to logitless.rl.rollout.{new}.{name}"):
+    with pytest.warns(FutureWarning, match=f"logitless.rl.{old}.{name} moved to logitless.generation.{new}.{name}"):
         found = getattr(module, name)
-    assert found is getattr(importlib.import_module(f"logitless.rl.rollout.{new}"), name)
+    assert found is getattr(importlib.import_module(f"logitless.generation.{new}"), name)
 
 
 def test_former_class_name_fast_generator_is_the_compiled_sampler():
-    from logitless.rl.rollout import compiled
+    from logitless.generation import compiled
 
-    with pytest.warns(FutureWarning, match="FastGenerator is now logitless.rl.rollout.CompiledSampler"):
+    with pytest.warns(FutureWarning, match="FastGenerator is now logitless.generation.CompiledSampler"):
         assert compiled.FastGenerator is CompiledSampler
 
 

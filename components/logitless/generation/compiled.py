@@ -1,13 +1,13 @@
 """The compiled sampler: shared-prompt prefill, static KV caches, a compiled decode step.
 
-Same inputs, outputs and sampling semantics as :func:`logitless.rl.rollout.eager.generate` (the eager
+Same inputs, outputs and sampling semantics as :func:`logitless.generation.eager.generate` (the eager
 reference sampler), four differences in how the work is done:
 
 1. **Prefill once per group.** The P distinct prompts are prefilled as a batch of P (not P x G);
    each prompt's key/value cache entries are then copied into its G decode rows. A group's rows
    hold identical prompt entries, so decoding is unchanged and the prefill costs G times less.
    Long prompts are prefilled in chunks of columns, at most ``prefill_chunk_tokens`` tokens per
-   forward (:mod:`logitless.rl.rollout.prefill`).
+   forward (:mod:`logitless.generation.prefill`).
 2. **Static caches, a few fixed shapes.** The decode caches are torchtune ``KVCache`` modules of a
    fixed ``[N, kv_heads, L, head_dim]`` (``N = P x G``, ``L`` = prompt width + new tokens rounded up
    to ``cache_len_multiple``, or ``max_cache_len``). All step inputs and outputs live in persistent
@@ -28,7 +28,7 @@ reference sampler), four differences in how the work is done:
    there: its reads follow the filled columns and the live rows (no window: one CUDA graph per
    bucket for every step); it measured 1.4-3x faster than the windowed SDPA on an H200.
 5. **Fewer, larger GEMMs.** The grouped decode step reads the q/k/v weights as one matrix and
-   the MLP's gate/up weights as another (:mod:`logitless.rl.rollout.fused`: a copy refreshed
+   the MLP's gate/up weights as another (:mod:`logitless.generation.fused`: a copy refreshed
    from the model's weights at the start of every call), halving the small launch-bound GEMMs
    per layer. The prefill runs the model's own layers.
 
@@ -47,13 +47,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from logitless.ops.dispatch import _interpreting
-from logitless.rl.rollout.fused import FusedProjections
-from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
-from logitless.rl.rollout.result import Rollout, left_pad
-from logitless.rl.rollout.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
+from logitless._platform import sm_count, triton_interpreting
+from logitless.generation.fused import FusedProjections
+from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
+from logitless.generation.result import Rollout, left_pad
+from logitless.generation.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
                                            sample_counter, sample_next, token_hashes)
-from logitless.rl.rollout.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
+from logitless.generation.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
 
 __all__ = ["CompiledSampler", "DECODE_ATTENTION", "DECODE_LINEAR", "generate"]
 
@@ -75,10 +75,10 @@ SHARED_PROMPT_MIN_ELEMENTS, SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_ROWS = 2 
 
 def _register_decode_attention():
     # registers the op logitless::decode_attention (imports triton); returns its module
-    return importlib.import_module("logitless.ops.triton.decode_attention")
+    return importlib.import_module("logitless.generation.kernels.decode_attention")
 
 
-#: logitless.ops.triton.decode_linear and .decode_rotary once registered (decode_linear when asked
+#: logitless.generation.kernels.decode_linear and .decode_rotary once registered (decode_linear when asked
 #: for, decode_rotary with the split-K attention): the traced decode step reads them from here
 #: (importing inside the step would break the graph)
 _decode_linear = None
@@ -88,19 +88,19 @@ _decode_rotary = None
 def _register_decode_linear():
     # registers the op logitless::decode_linear (imports triton); returns its module
     global _decode_linear
-    _decode_linear = _decode_linear or importlib.import_module("logitless.ops.triton.decode_linear")
+    _decode_linear = _decode_linear or importlib.import_module("logitless.generation.kernels.decode_linear")
     return _decode_linear
 
 
 def _register_decode_rotary():
     # registers the op logitless::decode_rotary_cache (imports triton); returns its module
     global _decode_rotary
-    _decode_rotary = _decode_rotary or importlib.import_module("logitless.ops.triton.decode_rotary")
+    _decode_rotary = _decode_rotary or importlib.import_module("logitless.generation.kernels.decode_rotary")
     return _decode_rotary
 
 
 def _fused_rotary(attn: nn.Module, s: int, cache: Optional[Tuple[torch.Tensor, torch.Tensor]], split_k):
-    """The :class:`~logitless.ops.triton.decode_rotary.RotaryTable` of ``attn``'s rotary module where
+    """The :class:`~logitless.generation.kernels.decode_rotary.RotaryTable` of ``attn``'s rotary module where
     the split-K step rotates and writes the caches in one launch (one token per row, a bucket's cache,
     no q/k norms, a table covering every cache column), else None."""
     if _decode_rotary is None or split_k is None or cache is None or s != 1:
@@ -115,7 +115,7 @@ def _fused_rotary(attn: nn.Module, s: int, cache: Optional[Tuple[torch.Tensor, t
 
 def _register_counter_draw() -> None:
     # registers the op logitless::counter_draw (imports triton)
-    importlib.import_module("logitless.ops.triton.counter_sampling")
+    importlib.import_module("logitless.generation.kernels.counter_sampling")
 
 
 def _kernel_draw(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
@@ -175,14 +175,14 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
              linear: Optional[Tuple[int, bool]] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on ``x``'s last dimension, or with ``gated`` the MLP's
     ``silu(x W_gate.T) * (x W_up.T)`` of a ``[gate; up]`` weight. ``linear`` = ``(SM count,
-    programmatic launch)`` runs it through :func:`logitless.ops.triton.decode_linear` where it takes
+    programmatic launch)`` runs it through :func:`logitless.generation.kernels.decode_linear` where it takes
     the operands (few rows, one dtype, a plain tensor on CUDA or under the interpreter); None = cuBLAS."""
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
     if linear is not None:
         if _decode_linear is None:
             raise RuntimeError("decode_linear is not registered: call _register_decode_linear() before the step")
     if linear is not None and rows <= _decode_linear.MAX_ROWS and weight.dtype == x.dtype \
-            and not isinstance(weight, DTensor) and (x.is_cuda or _interpreting()):
+            and not isinstance(weight, DTensor) and (x.is_cuda or triton_interpreting()):
         n = weight.shape[0] // (2 if gated else 1)
         launch = _decode_linear.decode_linear_launch(n, k, gated, linear[0])
         out = _decode_linear.decode_linear(x.reshape(rows, k), weight.contiguous(), bias, gated=gated, launch=launch,
@@ -218,14 +218,14 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
     (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
     n_filled, programmatic_launch, shared_prefix, rotations)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
-    :class:`~logitless.ops.triton.decode_attention.SharedPrefix` or None, a dict the step fills with
+    :class:`~logitless.generation.kernels.decode_attention.SharedPrefix` or None, a dict the step fills with
     each rotary table's per-row coefficients) one new token per row attends through the split-K kernel
-    (:func:`logitless.ops.triton.decode_attention`), which reads the first ``n_filled`` columns of the
+    (:func:`logitless.generation.kernels.decode_attention`), which reads the first ``n_filled`` columns of the
     cache only (each group's prompt columns once, with a shared prefix), instead of SDPA under
     ``mask``. Where :func:`_fused_rotary` allows, the compiler's three or four kernels of rotary
     embedding and cache write go: into the attention's own launch without a shared prefix
-    (:class:`~logitless.ops.triton.decode_attention.NewToken`), else into one launch before it
-    (:func:`logitless.ops.triton.decode_rotary.decode_rotary_cache`; inside the attention it measured
+    (:class:`~logitless.generation.kernels.decode_attention.NewToken`), else into one launch before it
+    (:func:`logitless.generation.kernels.decode_rotary.decode_rotary_cache`; inside the attention it measured
     slower there, the shared-prefix programs all rotating their rows' queries). ``linear``: the
     projections' kernel (:func:`_project`).
     """
@@ -333,7 +333,7 @@ def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logi
     step's input; ``t`` advances. All in place, no host sync: it runs inside the captured graph."""
     temperature, top_k, top_p, pad_id = draw
     step = shared["t"]
-    if _kernel_draw(logits, top_k, top_p):  # the same draw in two launches (ops/triton/counter_sampling.py)
+    if _kernel_draw(logits, top_k, top_p):  # the same draw in two launches (generation/kernels/counter_sampling.py)
         nxt, logp = torch.ops.logitless.counter_draw(logits, rows["keys"], step, float(temperature))
     else:
         nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -377,7 +377,7 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     the split-K kernels read each group's prompt columns once, for segments of at most that many
     rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``;
     ``linear_sms`` (> 0): the grouped layers' plain projections run through
-    :func:`logitless.ops.triton.decode_linear`, tiled for that many SMs (0: cuBLAS).
+    :func:`logitless.generation.kernels.decode_linear`, tiled for that many SMs (0: cuBLAS).
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -455,7 +455,7 @@ class CompiledSampler:
         grouped_attention (bool): decode with grouped-query attention that reads each K/V head
             once (default); False runs torchtune's layers as they are (K/V copied per query head).
         draws (str): ``"counter"`` (default): tokens are drawn inside the decode step from a
-            counter-based stream keyed by (row key, step, token) (:func:`~logitless.rl.rollout.sampling.sample_counter`;
+            counter-based stream keyed by (row key, step, token) (:func:`~logitless.generation.sampling.sample_counter`;
             the row keys come from ``generator``), so sampling is part of the captured graph and a
             row's tokens do not depend on the rest of the batch; ``"generator"``: drawn eagerly
             with ``torch.multinomial`` from ``generator`` after each step (the eager sampler's draws).
@@ -469,7 +469,7 @@ class CompiledSampler:
             rounded up to a multiple of this (one CUDA graph per window size), not the whole cache;
             None reads the whole cache at every step. Needs the grouped decode step.
         fused_projections (Union[bool, str]): the grouped decode step computes q/k/v with one GEMM
-            and the MLP's gate/up with another (:class:`~logitless.rl.rollout.fused.FusedProjections`;
+            and the MLP's gate/up with another (:class:`~logitless.generation.fused.FusedProjections`;
             plain ``nn.Linear`` projections only, LoRA ones stay separate), about 12% faster decode
             steps at 1.5B. ``"shared"``: the concatenated weights are the model's own: its q/k/v and
             gate/up parameters are re-pointed at row slices of them on the first call (the same
@@ -480,11 +480,11 @@ class CompiledSampler:
             (default): separate GEMMs.
         prefill_chunk_tokens (Optional[int]): at most this many tokens (distinct prompts x prompt
             columns) per prefill forward: long prompts are prefilled in chunks of columns within a
-            memory bound (:func:`~logitless.rl.rollout.prefill.prefill`); default
-            :data:`~logitless.rl.rollout.prefill.DEFAULT_PREFILL_CHUNK_TOKENS` (8192: smaller
+            memory bound (:func:`~logitless.generation.prefill.prefill`); default
+            :data:`~logitless.generation.prefill.DEFAULT_PREFILL_CHUNK_TOKENS` (8192: smaller
             prompt batches keep one forward); None = one forward whatever the width.
         decode_attention (str): the grouped decode step's attention. ``"split_k"``: the split-K
-            Triton kernel (:func:`logitless.ops.triton.decode_attention`) whose programs cover the
+            Triton kernel (:func:`logitless.generation.kernels.decode_attention`) whose programs cover the
             cache in fixed splits and read only the filled columns (a count on the device), so its
             work follows the filled length and the rows of a compacted bucket, and one CUDA graph
             per bucket serves every step (``attention_window`` is not used). Off CUDA it runs plain
@@ -503,7 +503,7 @@ class CompiledSampler:
         shared_prompt_decode (Optional[bool]): with the split-K decode attention, read each group's
             prompt columns once per step for all of its G rows (one program per prompt split whose
             query operand is every query head of the group's rows,
-            :class:`~logitless.ops.triton.decode_attention.SharedPrefix`), instead of once per row:
+            :class:`~logitless.generation.kernels.decode_attention.SharedPrefix`), instead of once per row:
             the cache bytes a step reads fall by about ``(G - 1) / G`` of the prompt's share. It
             follows compaction (a group's live rows stay consecutive). None (default) = where it
             measured faster: ``num_generations > 1``, a prompt of at least
@@ -514,7 +514,7 @@ class CompiledSampler:
             either way.
         decode_linear (str): the grouped decode step's plain projections (q/k/v, output, MLP gate/up
             and down; LoRA-wrapped ones keep their modules). ``"triton"``:
-            :func:`logitless.ops.triton.decode_linear`, whose programs split the columns and the
+            :func:`logitless.generation.kernels.decode_linear`, whose programs split the columns and the
             reduction so that every SM streams weights, with the SiLU MLP's activation inside the
             fused gate/up product (``fused_projections``); off CUDA it runs ``F.linear`` unless
             ``TRITON_INTERPRET=1``. It rounds the gate/up product once (cuBLAS rounds the two
@@ -613,7 +613,7 @@ class CompiledSampler:
 
     def uses_decode_linear(self, device: torch.device) -> bool:
         """Whether the grouped decode step on ``device`` runs its plain projections through
-        :func:`logitless.ops.triton.decode_linear`: only with ``decode_linear="triton"`` (``"auto"`` is
+        :func:`logitless.generation.kernels.decode_linear`: only with ``decode_linear="triton"`` (``"auto"`` is
         cuBLAS, measured faster on an H200)."""
         return self.decode_linear == "triton"
 
@@ -645,7 +645,7 @@ class CompiledSampler:
         Raises:
             ValueError: ``programmatic_launch=True`` where it is not supported, naming why.
         """
-        from logitless.ops.triton.decode_attention import supports_programmatic_launch
+        from logitless.generation.kernels.decode_attention import supports_programmatic_launch
 
         if self.programmatic_launch is False:
             return False
@@ -678,7 +678,7 @@ class CompiledSampler:
         if self._compiled is None:
             mode, options = self._compile_options(device)
             # not fullgraph: a graph break on another torch version costs speed, not the run
-            # (tests/rl/rollout/test_compiled.py checks the step is one graph)
+            # (tests/generation/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
             self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, options=options,
@@ -845,11 +845,11 @@ class CompiledSampler:
             top_k (Optional[int]): top-k filter.
             top_p (Optional[float]): nucleus filter.
             generator (RandomSource): random source on the model's device: one generator, or one per
-            prompt (:func:`logitless.rl.rollout.sampling.prompt_generators`) so that a group's completions do
+            prompt (:func:`logitless.generation.sampling.prompt_generators`) so that a group's completions do
             not depend on the other prompts of the batch.
 
         Returns:
-            Rollout: as :func:`logitless.rl.rollout.eager.generate` returns it.
+            Rollout: as :func:`logitless.generation.eager.generate` returns it.
 
         Raises:
             ValueError: on bad arguments or a model whose caches are already set up.
@@ -927,7 +927,8 @@ class CompiledSampler:
             _register_decode_rotary()  # before tracing: the step calls the op
         linear_sms = 0  # the decode products' kernel: 0 = cuBLAS, else decode_linear tiled for this many SMs
         if self.uses_decode_linear(device):
-            linear_sms = _register_decode_linear()._num_sms(device)  # before tracing: the step calls the op
+            _register_decode_linear()  # before tracing: the step calls the op
+            linear_sms = sm_count(device)
         grouped = self._grouped_everywhere(model)
         fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)
@@ -1019,9 +1020,9 @@ class CompiledSampler:
 
     def _prompt_segments(self, state, model: nn.Module, rows: int, groups: int, width: int) -> int:
         """Sets up the shared-prompt segment table of a call (every group's rows, cut into segments
-        of at most :func:`~logitless.ops.triton.decode_attention.prefix_rows` rows) in ``shared``'s
+        of at most :func:`~logitless.generation.kernels.decode_attention.prefix_rows` rows) in ``shared``'s
         static buffers; returns the rows per segment."""
-        from logitless.ops.triton.decode_attention import prefix_rows
+        from logitless.generation.kernels.decode_attention import prefix_rows
 
         attn = _attention_modules(model)[0]
         per = prefix_rows(attn.num_heads // attn.num_kv_heads, groups)
@@ -1044,7 +1045,7 @@ class CompiledSampler:
     def _set_segments(state, slots: torch.Tensor, live: int) -> None:
         """Fills the segment table for a bucket whose first ``live`` rows hold the original rows
         ``slots`` (ascending, so each group's rows stay consecutive); later rows are in none."""
-        from logitless.ops.triton.decode_attention import group_segments
+        from logitless.generation.kernels.decode_attention import group_segments
 
         groups, per, count = state["segments"]
         shared = state["shared"]
@@ -1072,14 +1073,14 @@ def generate(
     generator: RandomSource = None,
     **options,
 ) -> Rollout:
-    """Drop-in for :func:`logitless.rl.rollout.eager.generate` backed by a per-model :class:`CompiledSampler`.
+    """Drop-in for :func:`logitless.generation.eager.generate` backed by a per-model :class:`CompiledSampler`.
 
     The sampler (compiled step, kept buffers) is created on the first call for ``model`` and reused
     while ``options`` are unchanged, so a training loop gets one compilation.
 
     Args:
         model, prompts, max_new_tokens, stop_tokens, pad_id, num_generations, temperature, top_k,
-        top_p, generator: as in :func:`logitless.rl.rollout.eager.generate`.
+        top_p, generator: as in :func:`logitless.generation.eager.generate`.
         **options: :class:`CompiledSampler` arguments (``compile``, ``backend``, ``mode``,
             ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``,
             ``prefill_chunk_tokens``, ``decode_attention``, ...).
@@ -1107,7 +1108,7 @@ def generate(
 def __getattr__(name: str):
     # the class's former name, kept importable for a while
     if name == "FastGenerator":
-        warnings.warn("logitless: FastGenerator is now logitless.rl.rollout.CompiledSampler; the old name will be "
+        warnings.warn("logitless: FastGenerator is now logitless.generation.CompiledSampler; the old name will be "
                       "removed", FutureWarning, stacklevel=2)
         return CompiledSampler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

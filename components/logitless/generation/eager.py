@@ -9,7 +9,7 @@ What it guarantees (each one a known pitfall):
   state through the model's head weight): ``[N, T, V]`` logits are never produced, not even for the
   prompt prefill (torchtune's ``generate`` keeps all of them in fp32);
 - the prompt prefill runs in chunks of at most ``prefill_chunk_tokens`` tokens per forward
-  (:mod:`logitless.rl.rollout.prefill`), so long prompts stay within a memory bound;
+  (:mod:`logitless.generation.prefill`), so long prompts stay within a memory bound;
 - tokens after a stop token are ``pad_id`` and masked out; completions without a stop token are
   flagged ``truncated``;
 - the KV caches live only inside :func:`generate` (``torchtune.modules.common_utils.local_kv_cache``)
@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from logitless.rl.rollout.prefill import (DEFAULT_PREFILL_CHUNK_TOKENS, causal_key_mask, check_prefill_chunk_tokens,
+from logitless.generation.prefill import (DEFAULT_PREFILL_CHUNK_TOKENS, causal_key_mask, check_prefill_chunk_tokens,
                                           prefill)
-from logitless.rl.rollout.result import Rollout, left_pad
-from logitless.rl.rollout.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
-from logitless.rl.rollout.trunk import last_position_logits
+from logitless.generation.result import Rollout, left_pad
+from logitless.generation.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
+from logitless.generation.trunk import last_position_logits
 
 
 @torch.no_grad()
@@ -61,10 +61,10 @@ def generate(
         top_k (Optional[int]): top-k filter.
         top_p (Optional[float]): nucleus filter.
         generator (RandomSource): random source on the model's device: one generator, or one per
-            prompt (:func:`logitless.rl.rollout.sampling.prompt_generators`) so that a group's completions do
+            prompt (:func:`logitless.generation.sampling.prompt_generators`) so that a group's completions do
             not depend on the other prompts of the batch.
         prefill_chunk_tokens (Optional[int]): at most this many tokens (rows x prompt columns) per
-            prefill forward (:func:`logitless.rl.rollout.prefill.prefill`: long prompts run in
+            prefill forward (:func:`logitless.generation.prefill.prefill`: long prompts run in
             chunks of columns); None = the whole prompt batch in one forward.
 
     Returns:

@@ -10,11 +10,11 @@ from torch.utils._pytree import tree_flatten
 from torchtune.models.qwen2._component_builders import qwen2
 from torchtune.modules.common_utils import local_kv_cache
 
-from logitless.rl.rollout import CompiledSampler, build_sampler
-from logitless.rl.rollout.eager import generate as eager_generate
-from logitless.rl.rollout.prefill import causal_key_mask, prefill, prefill_chunk_columns
-from logitless.rl.rollout.result import left_pad
-from logitless.rl.rollout.trunk import last_position_logits
+from logitless.generation import CompiledSampler, build_sampler
+from logitless.generation.eager import generate as eager_generate
+from logitless.generation.prefill import causal_key_mask, prefill, prefill_chunk_columns
+from logitless.generation.result import left_pad
+from logitless.generation.trunk import last_position_logits
 
 VOCAB = 97
 NEVER = [-1]  # a stop id no sampler can produce

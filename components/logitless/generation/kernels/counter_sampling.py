@@ -1,6 +1,6 @@
 """The compiled sampler's draw in two small launches: counter-based Gumbel-max and its log-prob.
 
-:func:`logitless.rl.rollout.sampling.sample_counter` (no top-k / top-p) draws token
+:func:`logitless.generation.sampling.sample_counter` (no top-k / top-p) draws token
 ``argmax_v(logits[r, v] / T + Gumbel(u(key[r], t, v)))`` and returns it with its log-probability
 under ``log_softmax(logits / T)``. Under ``torch.compile`` that is an int64 hash of every
 ``(row, token)`` and three reductions over the vocabulary, which inductor runs one program per row:
@@ -36,8 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
-from logitless.ops.dispatch import _interpreting
-from logitless.ops.triton.decode_attention import _num_sms
+from logitless._platform import sm_count, triton_interpreting
 
 __all__ = ["counter_draw", "counter_draw_splits"]
 
@@ -54,7 +53,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _mix32(x):
-    """:func:`logitless.rl.rollout.sampling._mix32` on uint32 values (wrap-around products are the
+    """:func:`logitless.generation.sampling._mix32` on uint32 values (wrap-around products are the
     reference's int64 products masked to 32 bits)."""
     c = tl.full([1], 0x45D9F3B, tl.uint32)
     x = ((x >> 16) ^ x) * c
@@ -70,7 +69,7 @@ def _gumbel2(u, FAST_LOG: tl.constexpr):
     comes from, ``lg2.approx.f32`` has an absolute error of about ``2**-22`` against values down to
     about ``1e-7``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
     (with ``FAST_LOG``, on NVIDIA GPUs) keeps about 2 ulp relative. Over all ``2**23`` uniforms of
-    :func:`~logitless.rl.rollout.sampling.uniform_from_bits` that is within 2.8 ulp of float64 on an
+    :func:`~logitless.generation.sampling.uniform_from_bits` that is within 2.8 ulp of float64 on an
     H200; with both logs approximate it was off by up to 1e6 ulp (``benchmarks/bench_counter_draw.py``,
     ``benchmarks/results/counter_draw_h200.csv``).
     """
@@ -172,7 +171,7 @@ def counter_draw_splits(rows: int, vocab: int, num_sms: int = 132) -> int:
 def _counter_draw_op(logits: Tensor, keys: Tensor, step: Tensor, temperature: float) -> Tuple[Tensor, Tensor]:
     """``(tokens int64, logp fp32)``, each ``(B,)``; see :func:`counter_draw`."""
     b, v = logits.shape
-    splits = counter_draw_splits(b, v, _num_sms(logits.device))
+    splits = counter_draw_splits(b, v, sm_count(logits.device))
     span = triton.cdiv(triton.cdiv(v, splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(v, span)
     best = torch.empty(b, splits, dtype=torch.float32, device=logits.device)
@@ -200,7 +199,7 @@ def _(logits, keys, step, temperature):
 
 
 def counter_draw(logits: Tensor, keys: Tensor, step: Tensor, *, temperature: float = 1.0) -> Tuple[Tensor, Tensor]:
-    """:func:`~logitless.rl.rollout.sampling.sample_counter` without top-k / top-p, in two launches.
+    """:func:`~logitless.generation.sampling.sample_counter` without top-k / top-p, in two launches.
 
     Args:
         logits (Tensor): ``(B, V)`` scores of the next token (fp32, bf16 or fp16; rows contiguous).
@@ -222,7 +221,7 @@ def counter_draw(logits: Tensor, keys: Tensor, step: Tensor, *, temperature: flo
         raise ValueError(f"keys: expected ({logits.shape[0]},) int64, got {tuple(keys.shape)} {keys.dtype}")
     if step.numel() != 1 or step.dtype != torch.int64:
         raise ValueError(f"step: expected a (1,) int64 tensor, got {tuple(step.shape)} {step.dtype}")
-    if not (logits.is_cuda or _interpreting()) or keys.device != logits.device or step.device != logits.device:
+    if not (logits.is_cuda or triton_interpreting()) or keys.device != logits.device or step.device != logits.device:
         raise ValueError(f"logits, keys and step must be on one CUDA device (or CPU under TRITON_INTERPRET=1), "
                          f"got {logits.device}, {keys.device}, {step.device}")
     if temperature < 0:

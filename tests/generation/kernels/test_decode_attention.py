@@ -14,10 +14,10 @@ import torch
 from torch.nn import functional as F
 
 pytest.importorskip("triton")
-from logitless.ops.triton import decode_attention, decode_attention_reference  # noqa: E402
+from logitless.generation.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 
 # the module itself: the package attribute of that name is the function
-da = importlib.import_module("logitless.ops.triton.decode_attention")
+da = importlib.import_module("logitless.generation.kernels.decode_attention")
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, CACHE_ROWS = 3, 5
@@ -125,7 +125,7 @@ def test_the_fallback_off_cuda_without_the_interpreter_is_the_reference(monkeypa
     q, k, v, valid = _problem(2, 7, 16, 37, torch.float32, seed=3)
     q, k, v, valid = q.cpu(), k.cpu(), v.cpu(), valid.cpu()
     nf = torch.tensor([30])
-    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    monkeypatch.setattr(da, "triton_interpreting", lambda: False)
     monkeypatch.setattr(da, "_launch", lambda *a: pytest.fail("the kernel ran without CUDA or the interpreter"))
     out = decode_attention(q, k, v, valid, nf)
     assert _err(out, _float64(q, k, v, valid, 30)) < 1e-6
@@ -154,7 +154,7 @@ def _shared_problem(hkv, group, dim, dtype, seed, width=37, length=70):
     segment (``covered`` = 6); one empty segment in between. Every row that is not the first of its
     segment holds NaN keys and values and a random validity in its shared columns (never read); the
     segments' first rows are left-padded differently."""
-    from logitless.ops.triton.decode_attention import SharedPrefix
+    from logitless.generation.kernels.decode_attention import SharedPrefix
 
     g = torch.Generator().manual_seed(seed)
     rows, cache_rows = 7, 9
@@ -204,7 +204,7 @@ def test_shared_prefix_reads_each_segments_first_row_once_and_matches_float64(dt
 
 
 def test_shared_prefix_equals_the_plain_kernel_on_a_replicated_cache():
-    from logitless.ops.triton.decode_attention import shared_prefix_segments
+    from logitless.generation.kernels.decode_attention import shared_prefix_segments
 
     q, k, v, valid, prefix, (_, seen_k, seen_v, seen_valid) = _shared_problem(2, 3, 16, torch.float32, seed=4)
     nf = torch.tensor([58], device=DEV)
@@ -251,7 +251,7 @@ def test_counters_are_reserved_by_eager_callers_only(monkeypatch):
     them before the first launch; without them the merge kernel runs, with the same bits."""
     from torchtune.models.qwen2._component_builders import qwen2
 
-    from logitless.rl.rollout import CompiledSampler
+    from logitless.generation import CompiledSampler
 
     monkeypatch.setattr(da, "_ARRIVALS", {})
     q, k, v, valid = _problem(2, 3, 16, 70, torch.float32, seed=6)
@@ -276,7 +276,7 @@ def _new_token_problem(kind, hkv, group, dim, length, dtype, seed):
     from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
     from torchtune.modules import RotaryPositionalEmbeddings
 
-    from logitless.ops.triton.decode_rotary import rotary_table, rotation_coefficients
+    from logitless.generation.kernels.decode_rotary import rotary_table, rotation_coefficients
 
     _, k, v, valid = _problem(hkv, group, dim, length, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -295,7 +295,7 @@ def _new_token_problem(kind, hkv, group, dim, length, dtype, seed):
 def test_new_token_is_rotated_written_and_attended_as_the_module_then_the_kernel(kind, dtype):
     """With a NewToken the kernel writes the module's rotated key and the value at column n - 1 (no
     other column), and attends as the plain kernel does to the query the module rotates."""
-    from logitless.ops.triton.decode_rotary import decode_rotary_cache_reference
+    from logitless.generation.kernels.decode_rotary import decode_rotary_cache_reference
 
     for n in (1, 23, 37):  # the only column, inside a split after a full one, the last column
         q, k, v, valid, token, spec, positions = _new_token_problem(kind, 2, 3, 16, 37, dtype, seed=n)
@@ -419,7 +419,7 @@ def test_the_split_chosen_on_the_device_gives_the_fixed_splits_bits(monkeypatch,
     per-row bound binding instead of the programs' budget."""
     monkeypatch.setattr(da, "MERGE_IN_PARTIAL", merge)
     monkeypatch.setattr(da, "FILL_MIN_SPLIT", 16)
-    monkeypatch.setattr(da, "_num_sms", lambda device: 1)
+    monkeypatch.setattr(da, "sm_count", lambda device: 1)
     q, k, v, valid = _problem(2, 3, 16, 130, torch.float32, seed=8)
     pairs = ROWS * 2
     chosen = []
@@ -450,7 +450,7 @@ _COMPILE_FOR_H200 = """
 import importlib, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-da = importlib.import_module("logitless.ops.triton.decode_attention")
+da = importlib.import_module("logitless.generation.kernels.decode_attention")
 # the programmatic-launch build (gdc_wait, launch_pdl) is what an H200 runs; the plain one other GPUs
 for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("fp16", 128, 6, False),
                                ("fp32", 64, 3, False)):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from logitless.models import qwen2_5_tiny, qwen2_5_tiny_untied
-from logitless.rl.rollout.trunk import last_position_logits
+from logitless.generation.trunk import last_position_logits
 
 
 @pytest.mark.parametrize("build", [qwen2_5_tiny, qwen2_5_tiny_untied], ids=["tied", "untied"])

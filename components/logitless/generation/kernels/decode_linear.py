@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from logitless.ops.dispatch import _interpreting
-from logitless.ops.triton.decode_attention import _num_sms, supports_programmatic_launch
+from logitless._platform import sm_count, triton_interpreting
+from logitless.generation.kernels.decode_attention import supports_programmatic_launch
 from logitless.ops.triton.gemm_epilogues import _dot, _precision
 
 __all__ = ["DecodeLinearLaunch", "decode_linear", "decode_linear_launch", "decode_linear_reference"]
@@ -179,7 +179,7 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, g
         launch (Optional[DecodeLinearLaunch]): the tiling; None = :func:`decode_linear_launch` for
             ``x``'s device (pass it under ``torch.compile``: the default reads the device's SM count).
         programmatic (bool): a programmatic dependent launch where the GPU has them
-            (:func:`~logitless.ops.triton.decode_attention.supports_programmatic_launch`).
+            (:func:`~logitless.generation.kernels.decode_attention.supports_programmatic_launch`).
 
     Returns:
         Tensor: ``(M, N)`` in ``x``'s dtype.
@@ -205,10 +205,10 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, g
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.stride(0) != 1):
         raise ValueError(f"bias: expected ({n},) {x.dtype} contiguous, got {tuple(bias.shape)} {bias.dtype}")
     devices = {t.device for t in (x, weight, bias) if t is not None}
-    if len(devices) != 1 or not (x.is_cuda or _interpreting()):
+    if len(devices) != 1 or not (x.is_cuda or triton_interpreting()):
         raise ValueError(f"x, weight and bias must be on one CUDA device (or CPU under TRITON_INTERPRET=1), "
                          f"got {sorted(map(str, devices))}")
-    launch = launch or decode_linear_launch(n, x.shape[1], gated, _num_sms(x.device))
+    launch = launch or decode_linear_launch(n, x.shape[1], gated, sm_count(x.device))
     if launch.span % launch.block_k or (gated and launch.span < x.shape[1]):
         raise ValueError(f"launch: span {launch.span} must be a multiple of block_k {launch.block_k}"
                          f"{f' and, gated, at least K = {x.shape[1]}' if gated else ''}")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from logitless.rl.preflight import check_stop_tokens
-from logitless.rl.rollout import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
+from logitless.generation import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
 from logitless.training import model as model_utils
 from logitless.training.distributed import Runtime
 from logitless.training.preflight import model_limits

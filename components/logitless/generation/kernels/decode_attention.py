@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from logitless.ops.dispatch import _interpreting
+from logitless._platform import sm_count, triton_interpreting
 
 __all__ = ["Launch", "NewToken", "SharedPrefix", "decode_attention", "decode_attention_reference",
            "default_split_len", "fill_split_len", "launch_split_len",
@@ -181,7 +181,7 @@ class NewToken(NamedTuple):
 
     Element ``d`` of a vector ``x`` of row ``b`` becomes ``x_d cos[b, d] + x_e sin[b, d]``, where ``e`` is
     the other element of ``d``'s pair: ``d ^ 1`` with ``interleaved`` (pairs ``(2i, 2i + 1)``), else
-    ``d + D/2`` or ``d - D/2``; :func:`~logitless.ops.triton.decode_rotary.rotation_coefficients` makes
+    ``d + D/2`` or ``d - D/2``; :func:`~logitless.generation.kernels.decode_rotary.rotation_coefficients` makes
     ``cos`` and ``sin`` from a rotary module's table.
 
     Attributes:
@@ -327,7 +327,7 @@ def _split_len(n, pairs, budget, SPLIT_LEN: tl.constexpr, FILL_STEPS: tl.constex
 def _rotated(x_ptr, d, cos, sin, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Elements ``d`` of the vectors at ``x_ptr`` (contiguous) rotated by their position:
     ``x_d cos_d + x_e sin_d``, ``e`` the other element of ``d``'s pair (``d ^ 1`` with ``INTERLEAVED``,
-    else ``d -+ HALF``) and ``sin_d`` signed (:func:`~logitless.ops.triton.decode_rotary.rotation_coefficients`),
+    else ``d -+ HALF``) and ``sin_d`` signed (:func:`~logitless.generation.kernels.decode_rotary.rotation_coefficients`),
     in fp32 with one rounding to the input dtype."""
     if INTERLEAVED:
         partner = d ^ 1
@@ -649,12 +649,6 @@ def fill_split_len(columns: int, pairs: int, num_sms: int = 132, min_split: int 
     return split
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device: torch.device,
                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """The fixed split length of the rows' own columns after a shared prompt when none is given
@@ -673,7 +667,7 @@ def launch_split_len(rows: int, kv_heads: int, length: int, block_n: int, device
         >>> launch_split_len(8, 2, 1536, 64, torch.device("cpu"))
         256
     """
-    return max(block_n, default_split_len(rows, kv_heads, length, _num_sms(device), programs_per_sm))
+    return max(block_n, default_split_len(rows, kv_heads, length, sm_count(device), programs_per_sm))
 
 
 def prefix_split_len_for(segments: int, kv_heads: int, length: int, device: torch.device) -> int:
@@ -684,7 +678,7 @@ def prefix_split_len_for(segments: int, kv_heads: int, length: int, device: torc
         >>> prefix_split_len_for(4, 2, 1536, torch.device("cpu"))
         128
     """
-    target = segments * kv_heads * length / _num_sms(device)
+    target = segments * kv_heads * length / sm_count(device)
     split = 1 << max(0, int(math.floor(math.log2(max(target, 1.0)))))
     return max(MIN_PREFIX_SPLIT, min(MAX_PREFIX_SPLIT, split))
 
@@ -813,7 +807,7 @@ def supports_programmatic_launch(device: torch.device) -> bool:
         >>> supports_programmatic_launch(torch.device("cpu"))
         False
     """
-    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not triton_interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor, scale: float, launch: Launch,
@@ -823,7 +817,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
     # new_token: (k, v, cos, sin, interleaved) of a NewToken
     split_len, block_n, num_warps, num_stages = launch[:4]
     # the grid and the workspace are cut for the shortest split; the kernels pick the split from n_filled
-    fill = dict(fill_budget=FILL_PROGRAMS_PER_SM * _num_sms(q.device), FILL_STEPS=launch.fill_steps,
+    fill = dict(fill_budget=FILL_PROGRAMS_PER_SM * sm_count(q.device), FILL_STEPS=launch.fill_steps,
                 MAX_ROW_SPLITS=FILL_MAX_ROW_SPLITS)
     b, hq, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
@@ -833,7 +827,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_filled: Tensor
     slots = prefix_slots + splits
     g_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows at least
     d_pad = max(16, triton.next_power_of_2(d))
-    wide = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting())
+    wide = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and triton_interpreting())
     m = torch.empty(b, hkv, slots, group, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b, hkv, slots, group, d_pad, dtype=torch.float32, device=q.device)
@@ -883,7 +877,7 @@ def _decode_attention_op(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, n_f
     """``(B, Hq, D)`` attention output; see :func:`decode_attention` (a launch parameter of 0: its
     default, :func:`resolve_launch`; ``programmatic``: programmatic dependent launches where
     :func:`supports_programmatic_launch` allows)."""
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or triton_interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
     return _launch(q, k, v, key_valid, n_filled, scale, launch, programmatic and supports_programmatic_launch(q.device))
@@ -897,7 +891,7 @@ def _decode_attention_shared_prefix_op(q: Tensor, k: Tensor, v: Tensor, key_vali
     """:func:`decode_attention` with a :class:`SharedPrefix` given as its fields (launch parameters
     of 0: the defaults; ``prefix_split_len`` 0: :func:`prefix_split_len`)."""
     prefix = SharedPrefix(width, seg_start, seg_rows, covered, max_rows)
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or triton_interpreting()):
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale, shared_prefix=prefix)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages,
                             shared_prompt=True)
@@ -914,7 +908,7 @@ def _decode_attention_new_token_op(q: Tensor, k: Tensor, v: Tensor, key_valid: T
     """:func:`decode_attention` with a :class:`NewToken` given as its fields (launch parameters of 0:
     the defaults); writes ``k`` and ``v`` at column ``n_filled - 1``."""
     token = NewToken(k_new, v_new, cos, sin, interleaved)
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or triton_interpreting()):
         q = write_new_token_reference(q, k, v, n_filled - 1, token)
         return decode_attention_reference(q, k, v, key_valid, n_filled, scale)
     launch = resolve_launch(q.shape[0], k.shape[1], k.shape[2], q.device, split_len, block_n, num_warps, num_stages)
@@ -1003,7 +997,7 @@ def _check_new_token(token: NewToken, q: Tensor, k: Tensor, shared_prefix: Optio
         raise ValueError(f"decode_attention: new_token must be None or a NewToken, got {type(token).__name__}")
     if shared_prefix is not None:
         raise ValueError("decode_attention: new_token with shared_prefix is not supported; rotate the query and "
-                         "write the caches first (logitless.ops.triton.decode_rotary.decode_rotary_cache)")
+                         "write the caches first (logitless.generation.kernels.decode_rotary.decode_rotary_cache)")
     b, hkv, d = k.shape[0], k.shape[1], k.shape[3]
     for name in ("k", "v"):
         t = getattr(token, name)

@@ -1,11 +1,11 @@
-"""The decode step's linear layers (``logitless.ops.triton.decode_linear``) against float64, in the
+"""The decode step's linear layers (``logitless.generation.kernels.decode_linear``) against float64, in the
 interpreter at small odd shapes (CUDA on a GPU), and built for sm_90 as an H200 runs them."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from logitless.ops.triton.decode_linear import (DecodeLinearLaunch, decode_linear, decode_linear_launch,
+from logitless.generation.kernels.decode_linear import (DecodeLinearLaunch, decode_linear, decode_linear_launch,
                                                 decode_linear_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,7 +100,7 @@ _COMPILE_FOR_H200 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from logitless.ops.triton.decode_linear import decode_linear_kernel as kernel, decode_linear_launch
+from logitless.generation.kernels.decode_linear import decode_linear_kernel as kernel, decode_linear_launch
 # the decode products of Qwen2.5-1.5B at 64 rows, with the default tilings, as an H200 builds them
 for n, k, gated, bias, dtype, pdl in ((2048, 1536, False, True, "bf16", True), (1536, 1536, False, False, "bf16", True),
                                       (8960, 1536, True, False, "bf16", True), (1536, 8960, False, False, "bf16", True),

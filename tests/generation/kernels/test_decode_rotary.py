@@ -1,4 +1,4 @@
-"""The decode step's rotary embedding and cache write (``logitless.ops.triton.decode_rotary``) against
+"""The decode step's rotary embedding and cache write (``logitless.generation.kernels.decode_rotary``) against
 torchtune's own rotary modules, in the interpreter at small odd shapes (CUDA on a GPU)."""
 
 import copy
@@ -11,7 +11,7 @@ from torchtune.models.phi3._position_embeddings import Phi3RotaryPositionalEmbed
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import RotaryPositionalEmbeddings
 
-from logitless.ops.triton.decode_rotary import (decode_rotary_cache, decode_rotary_cache_reference, rotary_table,
+from logitless.generation.kernels.decode_rotary import (decode_rotary_cache, decode_rotary_cache_reference, rotary_table,
                                                 rotation_coefficients)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,7 +96,7 @@ def test_reference_gives_the_kernels_values(kind):
 def test_rotation_coefficients_rotate_as_the_module_at_least_as_well_as_eager(kind, dtype):
     """x cos + x_partner sin with the per-row coefficients (the attention kernel's rotation of a
     NewToken) against the module's rotation in float64."""
-    from logitless.ops.triton.decode_attention import _rotate_reference
+    from logitless.generation.kernels.decode_attention import _rotate_reference
 
     d = 12
     module = MODULES[kind](d).to(DEVICE)
@@ -171,7 +171,7 @@ _COMPILE_FOR_H200 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from logitless.ops.triton.decode_rotary import decode_rotary_cache_kernel as kernel
+from logitless.generation.kernels.decode_rotary import decode_rotary_cache_kernel as kernel
 # Qwen2.5-0.5B / 1.5B / 7B heads and a Llama 3 head, as an H200 builds them
 for hq, hkv, d, interleaved, dtype, pdl in ((14, 2, 64, False, "bf16", True), (12, 2, 128, False, "bf16", True),
                                             (28, 4, 128, False, "bf16", True), (32, 8, 128, True, "bf16", True),

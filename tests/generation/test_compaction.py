@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from logitless.rl.rollout import CompiledSampler, prompt_generators
-from logitless.rl.rollout.eager import generate as eager_generate
-from logitless.rl.rollout.sampling import counter_uniform, row_keys, sample_counter, uniform_from_bits
+from logitless.generation import CompiledSampler, prompt_generators
+from logitless.generation.eager import generate as eager_generate
+from logitless.generation.sampling import counter_uniform, row_keys, sample_counter, uniform_from_bits
 
 VOCAB = 61
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [20, 21, 22, 23]]

@@ -135,7 +135,7 @@ class FusedProjections:
 
     Args:
         layers (Sequence[nn.Module]): the decoder layers as the decode step runs them (past
-            activation checkpointing: :func:`logitless.rl.rollout.trunk.decoding_layer`).
+            activation checkpointing: :func:`logitless.generation.trunk.decoding_layer`).
         share (bool): re-point the layers' parameters at the buffers instead of keeping a copy
             (module docstring); False keeps a copy that :meth:`refresh` rewrites.
 

@@ -1,0 +1,36 @@
+"""Sampling completions from a torchtune decoder: the shared sampling math, the eager reference
+sampler, the compiled sampler and its decode kernels, and the GRPO recipe's policy sampler.
+
+- :mod:`~logitless.generation.sampling`: next-token sampling (temperature, top-k, top-p, greedy) and
+  the per-prompt random streams;
+- :mod:`~logitless.generation.result`: :class:`Rollout` (what every sampler returns) and :func:`left_pad`;
+- :mod:`~logitless.generation.trunk`: the decoder trunk both samplers run (embeddings, layers, final
+  norm, head on the last position only);
+- :mod:`~logitless.generation.prefill`: the prompt prefill both samplers run, in chunks of at most
+  ``prefill_chunk_tokens`` tokens per forward;
+- :mod:`~logitless.generation.eager`: :func:`generate`, the reference sampler (one plain forward per token);
+- :mod:`~logitless.generation.compiled`: :class:`CompiledSampler` (prompt prefilled once per group,
+  static KV caches, compiled decode step);
+- :mod:`~logitless.generation.fused`: :class:`~logitless.generation.fused.FusedProjections`, the compiled
+  decode step's concatenated q/k/v and gate/up weights (refreshed from the policy every call);
+- :mod:`~logitless.generation.builder`: :func:`build_sampler`, the choice made by ``generation.backend``;
+- :mod:`~logitless.generation.policy_sampler`: :class:`PolicySampler`, what a GRPO recipe samples its
+  policy with (one device or sharded);
+- :mod:`~logitless.generation.kernels`: the compiled sampler's Triton decode kernels (attention,
+  rotary embedding and cache write, the counter-based draw).
+
+Example:
+    >>> from logitless.generation import build_sampler, prompt_generators
+    >>> sample, sample_eval = build_sampler({"backend": "auto"}, torch.device("cpu"))
+"""
+
+from logitless.generation.builder import BACKENDS, SAMPLER_KEYS, build_sampler, uses_rollout_copy
+from logitless.generation.compiled import CompiledSampler
+from logitless.generation.eager import generate
+from logitless.generation.result import Rollout, left_pad
+from logitless.generation.sampling import prompt_generators, sample_next
+
+__all__ = [
+    "BACKENDS", "CompiledSampler", "Rollout", "SAMPLER_KEYS", "build_sampler", "generate", "left_pad",
+    "prompt_generators", "sample_next", "uses_rollout_copy",
+]
