@@ -366,10 +366,11 @@ def run_metadata(device):
                 torchtune=_version("torchtune"))
 
 
-def results_csv(stem, gpu):
-    """``benchmarks/results/<stem>_<gpu name>.csv``."""
+def results_csv(stem, gpu, folder=None):
+    """``<folder>/<stem>_<gpu name>.csv``; the folder defaults to benchmarks/results."""
     name = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}_{name}.csv")
+    folder = folder or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    return os.path.join(folder, f"{stem}_{name}.csv")
 
 
 def save_rows(stem, fields, rows, device, out=None, **meta):

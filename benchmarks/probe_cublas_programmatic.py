@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
 from bench_generation import _table, save_rows  # noqa: E402
 from bench_decode_linear import quack_linear  # noqa: E402
 

@@ -292,8 +292,6 @@ def test_bad_call_arguments_name_the_argument(kwargs, name):
     (dict(decode_attention="flash"), "decode_attention must be one of \\('auto', 'sdpa', 'split_k'\\), got 'flash'"),
     (dict(decode_attention="split_k", grouped_attention=False), "split_k' needs grouped_attention=True"),
     (dict(programmatic_launch="auto"), "programmatic_launch must be None, True or False, got 'auto'"),
-    (dict(decode_linear="cutlass"), "decode_linear must be one of \\('auto', 'cublas', 'triton'\\), got 'cutlass'"),
-    (dict(decode_linear="triton", grouped_attention=False), "decode_linear='triton' needs grouped_attention=True"),
 ])
 def test_bad_options_name_the_option(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -598,54 +596,3 @@ def _one_graph_for_every_bucket_samples_as_eager(**options):
 def test_split_k_compiled_step_is_one_graph_for_every_bucket_and_samples_as_sdpa(shared_prompt):
     # split-K reads up to the filled length without a window: the window of 4 recompiles nothing
     _one_graph_for_every_bucket_samples_as_eager(attention_window=4, shared_prompt_decode=shared_prompt)
-
-
-def test_decode_linear_runs_the_kernel_only_when_asked():
-    """cuBLAS measured faster on an H200 (benchmarks/results/decode_linear_h200.csv): ``auto`` keeps it."""
-    for device in (torch.device("cuda"), torch.device("cpu")):
-        assert not CompiledSampler().uses_decode_linear(device)
-        assert not CompiledSampler(decode_linear="cublas").uses_decode_linear(device)
-        assert CompiledSampler(decode_linear="triton").uses_decode_linear(device)
-
-
-def _linear_calls(monkeypatch):
-    """Records ``(rows, n, gated)`` of every ``decode_linear`` call the step makes."""
-    module = compiled._register_decode_linear()
-    calls, call = [], module.decode_linear
-    monkeypatch.setattr(module, "decode_linear", lambda x, w, b=None, **kw: calls.append(
-        (x.shape[0], w.shape[0] // (2 if kw.get("gated") else 1), kw.get("gated", False))) or call(x, w, b, **kw))
-    return calls, module.triton_interpreting()
-
-
-@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
-def test_decode_linear_samples_as_cublas_through_compaction(monkeypatch, lora):
-    """The step's plain projections through the Triton kernel (fp32: IEEE products, so the same greedy
-    tokens): q/k/v and gate/up fused, the output and down projections on their own; LoRA-adapted
-    projections keep their modules."""
-    calls, interpreted = _linear_calls(monkeypatch)
-    model = tiny(seed=2, tied=False, lora=lora).eval()
-    prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
-    kw = dict(max_new_tokens=8, pad_id=0, num_generations=2, temperature=0)
-    free = uncompiled(compaction=False)(model, prompts, stop_tokens=NEVER, **kw).completion_tokens
-    kw["stop_tokens"] = sorted({int(free[2 * p, 1 + p]) for p in range(len(prompts))})  # rows end at different steps
-    runs = {}
-    for kernel in ("cublas", "triton"):
-        sampler = uncompiled(decode_linear=kernel, fused_projections=True, decode_attention="split_k", min_bucket=2,
-                             sync_every=1, cache_len_multiple=16)
-        moves = record_compactions(sampler)
-        runs[kernel] = sampler(model, prompts, **kw)
-        assert moves
-    assert runs["cublas"].completion_lengths.min() < runs["cublas"].completion_lengths.max()
-    assert torch.equal(runs["triton"].completion_tokens, runs["cublas"].completion_tokens)
-    assert torch.equal(runs["triton"].completion_mask, runs["cublas"].completion_mask)
-    torch.testing.assert_close(runs["triton"].sampler_log_probs, runs["cublas"].sampler_log_probs, atol=1e-5, rtol=0)
-    if interpreted:
-        # per layer and step: q/k/v (plain model only), output, gate/up (gated), down; in smaller buckets too
-        kinds = {(n, gated) for _, n, gated in calls}
-        want = {(32, False), (64, True)} | (set() if lora else {(32 + 2 * 2 * 8, False)})
-        assert kinds == want, kinds
-        assert len({r for r, _, _ in calls}) > 1  # in more than one bucket
-
-
-def test_decode_linear_compiled_step_is_one_graph_for_every_bucket():
-    _one_graph_for_every_bucket_samples_as_eager(decode_linear="triton", fused_projections=True)

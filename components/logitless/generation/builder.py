@@ -13,11 +13,11 @@ from logitless.generation.prefill import check_prefill_chunk_tokens
 #: Keys of ``generation:`` that configure the sampler itself rather than one call of it.
 SAMPLER_KEYS = ("backend", "compile", "max_cache_len", "sync_every", "rollout_copy", "compaction", "attention_window",
                 "draws", "fused_projections", "prefill_chunk_tokens", "decode_attention", "programmatic_launch",
-                "shared_prompt_decode", "decode_linear")
+                "shared_prompt_decode")
 #: The keys passed to :class:`CompiledSampler` as they are.
 _COMPILED_KEYS = ("compile", "max_cache_len", "sync_every", "compaction", "attention_window", "draws",
                   "fused_projections", "prefill_chunk_tokens", "decode_attention", "programmatic_launch",
-                  "shared_prompt_decode", "decode_linear")
+                  "shared_prompt_decode")
 #: The keys whose null is a setting (not "the default").
 _NULLABLE_KEYS = ("attention_window", "prefill_chunk_tokens")
 BACKENDS = ("auto", "eager", "compiled")
@@ -102,7 +102,7 @@ def build_sampler(options: Dict[str, Any], device: torch.device, *,
             for the whole run), ``sync_every``, ``compaction``, ``attention_window`` (null: the whole
             cache), ``draws``, ``fused_projections``, ``decode_attention`` (``auto`` | ``sdpa`` | ``split_k``),
             ``programmatic_launch`` (null: where supported), ``shared_prompt_decode`` (null: where it
-            measured faster) and ``decode_linear`` (``auto`` | ``cublas`` | ``triton``) (:class:`CompiledSampler`); for both, ``prefill_chunk_tokens`` (tokens per prefill
+            measured faster) (:class:`CompiledSampler`); for both, ``prefill_chunk_tokens`` (tokens per prefill
             forward; null: one forward; absent: the samplers' default,
             :data:`~logitless.generation.prefill.DEFAULT_PREFILL_CHUNK_TOKENS`).
         device (torch.device): where the policy lives.

@@ -44,10 +44,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from logitless._platform import sm_count, triton_interpreting
 from logitless.generation.fused import FusedProjections
 from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
 from logitless.generation.result import Rollout, left_pad
@@ -55,12 +53,10 @@ from logitless.generation.sampling import (RandomSource, check_random_source, ch
                                            sample_counter, sample_next, token_hashes)
 from logitless.generation.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
 
-__all__ = ["CompiledSampler", "DECODE_ATTENTION", "DECODE_LINEAR", "generate"]
+__all__ = ["CompiledSampler", "DECODE_ATTENTION", "generate"]
 
 #: The grouped decode step's attention implementations (``CompiledSampler(decode_attention=...)``).
 DECODE_ATTENTION = ("auto", "sdpa", "split_k")
-#: The grouped decode step's linear layers (``CompiledSampler(decode_linear=...)``).
-DECODE_LINEAR = ("auto", "cublas", "triton")
 #: Where ``shared_prompt_decode=None`` reads each group's prompt once: prompts of at least
 #: ``SHARED_PROMPT_MIN_WIDTH`` columns whose K/V elements per row and layer (columns x K/V heads x
 #: head_dim) reach ``SHARED_PROMPT_MIN_ELEMENTS``, in buckets of at least ``SHARED_PROMPT_MIN_ROWS``
@@ -78,18 +74,9 @@ def _register_decode_attention():
     return importlib.import_module("logitless.generation.kernels.decode_attention")
 
 
-#: logitless.generation.kernels.decode_linear and .decode_rotary once registered (decode_linear when asked
-#: for, decode_rotary with the split-K attention): the traced decode step reads them from here
-#: (importing inside the step would break the graph)
-_decode_linear = None
+#: logitless.generation.kernels.decode_rotary once registered (with the split-K attention): the traced
+#: decode step reads it from here (importing inside the step would break the graph)
 _decode_rotary = None
-
-
-def _register_decode_linear():
-    # registers the op logitless::decode_linear (imports triton); returns its module
-    global _decode_linear
-    _decode_linear = _decode_linear or importlib.import_module("logitless.generation.kernels.decode_linear")
-    return _decode_linear
 
 
 def _register_decode_rotary():
@@ -171,42 +158,11 @@ def _groupable(layer: nn.Module) -> bool:
     return type(layer) is TransformerSelfAttentionLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, gated: bool = False,
-             linear: Optional[Tuple[int, bool]] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on ``x``'s last dimension, or with ``gated`` the MLP's
-    ``silu(x W_gate.T) * (x W_up.T)`` of a ``[gate; up]`` weight. ``linear`` = ``(SM count,
-    programmatic launch)`` runs it through :func:`logitless.generation.kernels.decode_linear` where it takes
-    the operands (few rows, one dtype, a plain tensor on CUDA or under the interpreter); None = cuBLAS."""
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    if linear is not None:
-        if _decode_linear is None:
-            raise RuntimeError("decode_linear is not registered: call _register_decode_linear() before the step")
-    if linear is not None and rows <= _decode_linear.MAX_ROWS and weight.dtype == x.dtype \
-            and not isinstance(weight, DTensor) and (x.is_cuda or triton_interpreting()):
-        n = weight.shape[0] // (2 if gated else 1)
-        launch = _decode_linear.decode_linear_launch(n, k, gated, linear[0])
-        out = _decode_linear.decode_linear(x.reshape(rows, k), weight.contiguous(), bias, gated=gated, launch=launch,
-                                           programmatic=linear[1])
-        return out.view(*x.shape[:-1], n)
-    out = F.linear(x, weight, bias)
-    if not gated:
-        return out
-    gate, up = out.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _linear_module(module: nn.Module, x: torch.Tensor, linear: Optional[Tuple[int, bool]]) -> torch.Tensor:
-    """``module(x)``; a plain ``nn.Linear`` (no hooks) through :func:`_project` with ``linear``."""
-    if linear is not None and type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks):
-        return _project(x, module.weight, module.bias, linear=linear)
-    return module(x)
-
-
 def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                        col: Optional[torch.Tensor] = None, window=None,
                        qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                       split_k: Optional[Tuple] = None, linear: Optional[Tuple[int, bool]] = None) -> torch.Tensor:
+                       split_k: Optional[Tuple] = None) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -226,15 +182,14 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     embedding and cache write go: into the attention's own launch without a shared prefix
     (:class:`~logitless.generation.kernels.decode_attention.NewToken`), else into one launch before it
     (:func:`logitless.generation.kernels.decode_rotary.decode_rotary_cache`; inside the attention it measured
-    slower there, the shared-prefix programs all rotating their rows' queries). ``linear``: the
-    projections' kernel (:func:`_project`).
+    slower there, the shared-prefix programs all rotating their rows' queries).
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if qkv is None:
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
-        q, k, v = _project(x, *qkv, linear=linear).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = F.linear(x, *qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     rotary = _fused_rotary(attn, s, cache, split_k)
     if rotary is not None and split_k[3] is None:  # rotary embedding and cache write inside the attention
         key_valid, n_filled, programmatic, _, rotations = split_k
@@ -244,12 +199,12 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
             q.view(b, heads, dim), cache[0], cache[1], key_valid, n_filled, k.view(b, kv_heads, dim),
             v.view(b, kv_heads, dim), *rotations[id(rotary.table)], rotary.interleaved, dim ** -0.5, 0, 0, 0, 0,
             programmatic)
-        return _linear_module(attn.output_proj, out.reshape(b, 1, heads * dim), linear)
+        return attn.output_proj(out.reshape(b, 1, heads * dim))
     if rotary is not None:  # with a shared prompt: rotary embedding and cache write in one launch before it
         q = torch.ops.logitless.decode_rotary_cache(q.view(b, heads, dim), k.view(b, kv_heads, dim),
                                                     v.view(b, kv_heads, dim), input_pos.view(b), *rotary, col,
                                                     cache[0], cache[1], split_k[2])[:, :, None]
-        return _split_k_attention(attn, q, cache, split_k, linear)
+        return _split_k_attention(attn, q, cache, split_k)
     q = q.view(b, s, heads, dim)
     k = k.view(b, s, kv_heads, dim)
     v = v.view(b, s, kv_heads, dim)
@@ -271,19 +226,18 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         if window is not None:
             k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
     if split_k is not None:
-        return _split_k_attention(attn, q, (k, v), split_k, linear)
+        return _split_k_attention(attn, q, (k, v), split_k)
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group * s, dim)
     length = mask.shape[-1]
     mask = mask[:, None, None].expand(b, 1, group, s, length).reshape(b, 1, group * s, length)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # reshape, not view: some SDPA kernels (fp32 on CUDA) return a (B, L, H, D) memory layout.
-    return _linear_module(attn.output_proj, out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim),
-                          linear)
+    return attn.output_proj(out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim))
 
 
-def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor], split_k: Tuple,
-                       linear: Optional[Tuple[int, bool]]) -> torch.Tensor:
+def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor],
+                       split_k: Tuple) -> torch.Tensor:
     """The output projection of one new token per row (``q``: ``(B, Hq, 1, D)``, rotated) attending
     through the split-K kernel to the filled columns of ``cache`` (see :func:`_grouped_attention`)."""
     b, heads, _, dim = q.shape
@@ -296,34 +250,29 @@ def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tens
     else:
         out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
                                                                  dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
-    return _linear_module(attn.output_proj, out.reshape(b, 1, heads * dim), linear)
+    return attn.output_proj(out.reshape(b, 1, heads * dim))
 
 
 def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 col: Optional[torch.Tensor] = None, window=None,
                 fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
-                split_k: Optional[Tuple] = None, linear: Optional[Tuple[int, bool]] = None) -> torch.Tensor:
+                split_k: Optional[Tuple] = None) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
     ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
-    the split-K attention of :func:`_grouped_attention`; with ``linear``, its plain projections
-    through :func:`_project`'s kernel, the SiLU MLP's activation inside the gate/up product)."""
+    the split-K attention of :func:`_grouped_attention`)."""
     layer = decoding_layer(layer)
     if not (grouped and _groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     fused = fused or {}
     h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window,
-                                          fused.get("qkv"), split_k, linear)) + h
+                                          fused.get("qkv"), split_k)) + h
     x = layer.mlp_norm(h)
     if "gate_up" not in fused:
         return h + layer.mlp_scale(layer.mlp(x))
     # torchtune's FeedForward: w2(act(w1 x) * w3 x)
-    if linear is not None and type(layer.mlp.activation) is nn.SiLU:
-        act = _project(x, *fused["gate_up"], gated=True, linear=linear)
-    else:
-        gate, up = F.linear(x, *fused["gate_up"]).chunk(2, dim=-1)
-        act = layer.mlp.activation(gate) * up
-    return h + layer.mlp_scale(_linear_module(layer.mlp.w2, act, linear))
+    gate, up = F.linear(x, *fused["gate_up"]).chunk(2, dim=-1)
+    return h + layer.mlp_scale(layer.mlp.w2(layer.mlp.activation(gate) * up))
 
 
 def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logits: torch.Tensor,
@@ -359,8 +308,7 @@ def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: 
 def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
                  weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
                  columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None,
-                 split_k: bool = False, programmatic_launch: bool = False, shared_prompt: int = 0,
-                 linear_sms: int = 0):
+                 split_k: bool = False, programmatic_launch: bool = False, shared_prompt: int = 0):
     """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
     not an int, so the compiled step is the same graph at every column).
 
@@ -375,9 +323,7 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     ``col + 1``, a device tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
     split-K kernels are programmatic dependent launches; ``shared_prompt`` (> 0, with ``split_k``):
     the split-K kernels read each group's prompt columns once, for segments of at most that many
-    rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``;
-    ``linear_sms`` (> 0): the grouped layers' plain projections run through
-    :func:`logitless.generation.kernels.decode_linear`, tiled for that many SMs (0: cuBLAS).
+    rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``.
     """
     tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
     caches = rows.get("caches")
@@ -397,11 +343,10 @@ def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[s
     # launch of its own before every layer's attention
     n_filled = shared["n_filled"]
     filled = (key_valid, n_filled, programmatic_launch, prefix, {}) if split_k else None
-    linear = (linear_sms, programmatic_launch) if linear_sms else None
 
     def run_layer(index, layer, h):
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
-                           fused[index] if fused else None, filled, linear)
+                           fused[index] if fused else None, filled)
 
     # the head GEMM's dtype: every draw upcasts as it reads (no fp32 copy of the logits)
     logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer,
@@ -512,17 +457,6 @@ class CompiledSampler:
             1.5B, 256 at 7B) and, per batch bucket, at least :data:`SHARED_PROMPT_MIN_ROWS` rows.
             True: whenever ``num_generations > 1``; True without the split-K attention is an error. Same results
             either way.
-        decode_linear (str): the grouped decode step's plain projections (q/k/v, output, MLP gate/up
-            and down; LoRA-wrapped ones keep their modules). ``"triton"``:
-            :func:`logitless.generation.kernels.decode_linear`, whose programs split the columns and the
-            reduction so that every SM streams weights, with the SiLU MLP's activation inside the
-            fused gate/up product (``fused_projections``); off CUDA it runs ``F.linear`` unless
-            ``TRITON_INTERPRET=1``. It rounds the gate/up product once (cuBLAS rounds the two
-            products, then the activation), so results can differ from cuBLAS's in the last bits.
-            ``"cublas"`` and ``"auto"`` (default): ``F.linear``. On an H200 the kernel is slower than
-            cuBLAS today (Qwen2.5-1.5B, 64 rows: decode step 2.79 ms against 2.43 ms;
-            ``benchmarks/results/decode_linear_h200.csv``, docs/generation.md), so it is opt-in.
-
     Example:
         >>> from logitless.models import qwen2_5_tiny
         >>> sampler = CompiledSampler(compile=False)
@@ -540,7 +474,7 @@ class CompiledSampler:
                  graph_sampling: bool = True, fused_projections: Union[bool, str] = False,
                  prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
                  decode_attention: str = "auto", programmatic_launch: Optional[bool] = None,
-                 shared_prompt_decode: Optional[bool] = None, decode_linear: str = "auto") -> None:
+                 shared_prompt_decode: Optional[bool] = None) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ValueError(f"compile must be None, True or False, got {compile!r}")
         if not (callable(backend) or (isinstance(backend, str) and backend)):
@@ -562,11 +496,6 @@ class CompiledSampler:
                              "where it runs); got grouped_attention=False")
         if decode_attention == "split_k":
             _register_decode_attention()
-        if decode_linear not in DECODE_LINEAR:
-            raise ValueError(f"decode_linear must be one of {DECODE_LINEAR}, got {decode_linear!r}")
-        if decode_linear == "triton" and grouped_attention is False:
-            raise ValueError("decode_linear='triton' needs grouped_attention=True (the grouped decode step is where it "
-                             "runs); got grouped_attention=False")
         _check_int("sync_every", sync_every, 1)
         _check_int("cache_len_multiple", cache_len_multiple, 1)
         _check_int("max_cache_len", max_cache_len, 2, optional=True)
@@ -590,7 +519,6 @@ class CompiledSampler:
         self.decode_attention = decode_attention
         self.programmatic_launch = programmatic_launch
         self.shared_prompt_decode = shared_prompt_decode
-        self.decode_linear = decode_linear
         self.compaction = compaction
         self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -610,12 +538,6 @@ class CompiledSampler:
             _register_decode_attention()
             return True
         return self.decode_attention == "split_k"
-
-    def uses_decode_linear(self, device: torch.device) -> bool:
-        """Whether the grouped decode step on ``device`` runs its plain projections through
-        :func:`logitless.generation.kernels.decode_linear`: only with ``decode_linear="triton"`` (``"auto"`` is
-        cuBLAS, measured faster on an H200)."""
-        return self.decode_linear == "triton"
 
     def uses_shared_prompt(self, model: nn.Module, device: torch.device, num_generations: int, width: int) -> bool:
         """Whether the decode steps of a call on ``device`` read each group's prompt columns once, in
@@ -925,10 +847,6 @@ class CompiledSampler:
             # the split-K kernels' counters, outside the CUDA graphs' memory pool
             _register_decode_attention().reserve_arrivals(device)
             _register_decode_rotary()  # before tracing: the step calls the op
-        linear_sms = 0  # the decode products' kernel: 0 = cuBLAS, else decode_linear tiled for this many SMs
-        if self.uses_decode_linear(device):
-            _register_decode_linear()  # before tracing: the step calls the op
-            linear_sms = sm_count(device)
         grouped = self._grouped_everywhere(model)
         fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)
@@ -984,7 +902,7 @@ class CompiledSampler:
             in_graph = counter and self.graph_sampling
             big = self.shared_prompt_decode or bucket["done"].shape[0] >= SHARED_PROMPT_MIN_ROWS  # else per row
             logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
-                          fused, split_k, programmatic, shared_prompt if big else 0, linear_sms)
+                          fused, split_k, programmatic, shared_prompt if big else 0)
             if counter and not in_graph:
                 _record(bucket, shared, logits, draw)
                 logits = None

@@ -7,9 +7,7 @@ reference (run off CUDA unless ``TRITON_INTERPRET=1``):
 - :mod:`~logitless.generation.kernels.decode_rotary`: a decode step's rotary embedding and KV-cache
   write in one launch (op ``logitless::decode_rotary_cache``);
 - :mod:`~logitless.generation.kernels.counter_sampling`: the counter-based draw of the next token and
-  its log-prob in two launches (op ``logitless::counter_draw``);
-- :mod:`~logitless.generation.kernels.decode_linear`: a decode step's linear layer for a few rows
-  (op ``logitless::decode_linear``; opt-in).
+  its log-prob in two launches (op ``logitless::counter_draw``).
 
 Nothing is imported here: importing a module imports Triton and registers its op, which the
 compiled sampler does only where it runs the kernel.

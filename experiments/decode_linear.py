@@ -18,6 +18,12 @@ Here one kernel, grid ``(column blocks, K spans)``, chooses both so that every S
 
 fp32 inputs multiply in IEEE fp32 (no TF32), so the fp32 decode step keeps cuBLAS's accuracy.
 
+An experiment, not part of the package: built into the compiled sampler's decode step (q/k/v,
+output, gate/up with the activation, down) it was slower than cuBLAS on an H200 (Qwen2.5-1.5B, 64
+rows: 2.79 ms a step against 2.43 ms, ``results/generation_decode_linear_h200.csv``), so the sampler
+runs cuBLAS only. ``bench_decode_linear.py`` times the products alone; ``tests/test_decode_linear.py``
+checks them against float64.
+
 Example:
     >>> x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)
     >>> w = torch.randn(17920, 1536, device="cuda", dtype=torch.bfloat16)

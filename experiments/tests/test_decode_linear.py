@@ -1,14 +1,16 @@
-"""The decode step's linear layers (``logitless.generation.kernels.decode_linear``) against float64, in the
+"""The decode step's linear layers (``experiments/decode_linear.py``) against float64, in the
 interpreter at small odd shapes (CUDA on a GPU), and built for sm_90 as an H200 runs them."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from logitless.generation.kernels.decode_linear import (DecodeLinearLaunch, decode_linear, decode_linear_launch,
-                                                decode_linear_reference)
+from decode_linear import DecodeLinearLaunch, decode_linear, decode_linear_launch, decode_linear_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EXPERIMENTS = Path(__file__).resolve().parents[1]
 
 
 def _problem(rows, n, k, *, gated=False, bias=False, dtype=torch.float32, seed=0):
@@ -96,11 +98,11 @@ def test_bad_arguments_are_named(call, match):
         call(x, w)
 
 
-_COMPILE_FOR_H200 = """
+_COMPILE_FOR_H200 = f"import sys\nsys.path.insert(0, {str(EXPERIMENTS)!r})\n" + """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from logitless.generation.kernels.decode_linear import decode_linear_kernel as kernel, decode_linear_launch
+from decode_linear import decode_linear_kernel as kernel, decode_linear_launch
 # the decode products of Qwen2.5-1.5B at 64 rows, with the default tilings, as an H200 builds them
 for n, k, gated, bias, dtype, pdl in ((2048, 1536, False, True, "bf16", True), (1536, 1536, False, False, "bf16", True),
                                       (8960, 1536, True, False, "bf16", True), (1536, 8960, False, False, "bf16", True),

@@ -1,4 +1,4 @@
-"""The decode step's linear layers alone: cuBLAS against :func:`logitless.generation.kernels.decode_linear`.
+"""The decode step's linear layers alone: cuBLAS against :func:`decode_linear.decode_linear` (this folder).
 
 For each model's decode products at ``--rows`` rows (Qwen2.5 shapes; ``qkv``: the concatenated
 q/k/v projection with its bias, ``o``: the attention output, ``gate_up``: the MLP's concatenated
@@ -23,29 +23,28 @@ weight bytes at the device-to-device copy bandwidth measured in the same run, di
 ``max_err`` is the largest absolute difference from float64, ``ref_err`` cuBLAS's.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/bench_decode_linear.py --models 0.5b,1.5b,7b --rows 16,64
-    PYTHONPATH=components python benchmarks/bench_decode_linear.py --models 1.5b --rows 64 --sweep
+    PYTHONPATH=components python experiments/bench_decode_linear.py --models 0.5b,1.5b,7b --rows 16,64
+    PYTHONPATH=components python experiments/bench_decode_linear.py --models 1.5b --rows 64 --sweep
 """
 
 import argparse
 import datetime
 import itertools
-import os
 import sys
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "benchmarks")]  # decode_linear here; the benchmarks' helpers
 from bench_decode_attention import _ints, time_call  # noqa: E402
 from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
                               results_csv)
 from bench_sft import append_rows  # noqa: E402
 
 from logitless._platform import sm_count  # noqa: E402
-from logitless.generation.kernels.decode_linear import (DecodeLinearLaunch, decode_linear,  # noqa: E402
-                                                decode_linear_launch, decode_linear_reference)
+from decode_linear import DecodeLinearLaunch, decode_linear, decode_linear_launch, decode_linear_reference  # noqa: E402
 
 #: hidden, query heads, K/V heads, head_dim, intermediate (torchtune's Qwen2.5 builders).
 MODELS = {"0.5b": (896, 14, 2, 64, 4864), "1.5b": (1536, 12, 2, 128, 8960), "7b": (3584, 28, 4, 128, 18944),
@@ -180,7 +179,7 @@ def parse_args(argv=None):
     ap.add_argument("--min-bytes", type=int, default=400 * 2**20,
                     help="weight copies per graph: at least this many bytes (keeps L2 out of it)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/decode_linear_<gpu>.csv)")
+    ap.add_argument("--out", default=None, help="CSV path (default experiments/results/decode_linear_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models = comma_choices(ap, "--models", args.models, MODELS)
     args.products = comma_choices(ap, "--products", args.products, PRODUCTS)
@@ -193,7 +192,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     gpu = _gpu_name(torch.device(args.device))
-    out = args.out or results_csv("decode_linear", gpu)
+    out = args.out or results_csv("decode_linear", gpu, HERE / "results")
     rows, bandwidth = bench(args)
     append_rows(Path(out), FIELDS, rows)
     print(_table([r for r in rows if not r["method"].startswith("triton_sweep")], TABLE_COLUMNS))
