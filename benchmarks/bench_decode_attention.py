@@ -87,8 +87,8 @@ def shared_prefix(model, rows, prompt_len, group, device):
 
 
 def _kernel_module():
-    # the module itself: the package attribute of that name is the function
-    return importlib.import_module("logitless.generation.kernels.decode_attention")
+    # the launch planning, whose constants the op reads at each call
+    return importlib.import_module("logitless.generation.kernels.decode_attention.plan")
 
 
 def sdpa_step(q, k, v, valid, n_filled, window):

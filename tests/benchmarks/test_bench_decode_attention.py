@@ -17,7 +17,7 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
                        "--split-lens", "16", "--reps", "1", "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     hq, hkv, dim = bench.SHAPES["tiny"]
-    from logitless.generation.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS
+    from logitless.generation.kernels.decode_attention.plan import BLOCK_N, NUM_STAGES, NUM_WARPS
 
     block_n, warps, stages = map(str, (BLOCK_N, NUM_WARPS, NUM_STAGES))  # no launch flag: the defaults, recorded
     assert [(r["filled"], r["method"], r["split_len"], r["block_n"], r["num_warps"], r["num_stages"])
@@ -30,7 +30,7 @@ def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):
         assert float(r["max_diff"]) < 1e-5  # fp32 on the CPU: every method is the same attention
         assert int(r["bytes"]) == 2 * hkv * int(r["filled"]) * dim * 2 * 4 + 2 * 2 * hq * dim * 4
         assert r["of_copy_bw"] == "" and math.isnan(float(r["copy_gbps"]))  # no copy bandwidth off CUDA
-    from logitless.generation.kernels.decode_attention import FILL_MIN_SPLIT, MAX_SPLIT, fill_split_len
+    from logitless.generation.kernels.decode_attention.plan import FILL_MIN_SPLIT, MAX_SPLIT, fill_split_len
 
     # the length split-K ran with: the one the kernels choose from the fill (at least one block), or the one asked for
     floor = max(int(block_n), FILL_MIN_SPLIT)

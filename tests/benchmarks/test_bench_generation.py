@@ -74,8 +74,8 @@ def test_unfused_sampler_is_the_compiled_one_without_fused_projections(bench):
 def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tmp_path, monkeypatch):
     import importlib
 
-    # the plumbing is tested here, the kernel in tests/ops: its plain PyTorch fallback keeps this fast
-    kernels = importlib.import_module("logitless.generation.kernels.decode_attention")
+    # the plumbing is tested here, the kernel in tests/generation/kernels: its plain PyTorch fallback keeps this fast
+    kernels = importlib.import_module("logitless.generation.kernels.decode_attention.op")
     monkeypatch.setattr(kernels, "triton_interpreting", lambda: False)
     out = tmp_path / "gen.csv"
     assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "4",

@@ -9,7 +9,7 @@ from torchtune.models.qwen2._component_builders import lora_qwen2, qwen2
 
 import logitless
 from logitless.modules import wrap_output_head
-from logitless.generation import compiled
+from logitless.generation import compiled, decode_cache, decode_step
 from logitless.generation.compiled import CompiledSampler, generate as fast_generate
 from logitless.generation.eager import generate as eager_generate
 
@@ -73,7 +73,7 @@ def uncompiled(**kw):
 def test_greedy_equals_reference_sampler_and_naive_loop(tied, lora):
     model = tiny(tied=tied, lora=lora).eval()
     kw = dict(max_new_tokens=9, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=1.0, top_k=1)
-    assert all(compiled._groupable(layer) for layer in model.layers)  # grouped path runs
+    assert all(decode_step.groupable(layer) for layer in model.layers)  # grouped path runs
     fast = uncompiled(cache_len_multiple=7)(model, PROMPTS, **kw)
     ref = eager_generate(model, PROMPTS, **kw)
     ungrouped = uncompiled(grouped_attention=False)(model, PROMPTS, **kw)
@@ -107,7 +107,7 @@ def test_attention_output_in_sequence_major_layout(monkeypatch):
         out = sdpa(*args, **kwargs)
         return out.transpose(1, 2).contiguous().transpose(1, 2)
 
-    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", sequence_major)
+    monkeypatch.setattr(decode_step.F, "scaled_dot_product_attention", sequence_major)
     model = tiny(kv_heads=2).eval()
     out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
     assert completions(out) == [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
@@ -130,7 +130,7 @@ def test_layers_with_hooks_are_called_as_modules():
     expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
     calls = []
     model.layers[1].register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
-    assert not compiled._groupable(model.layers[1]) and compiled._groupable(model.layers[0])
+    assert not decode_step.groupable(model.layers[1]) and decode_step.groupable(model.layers[0])
     out = uncompiled()(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
     assert completions(out) == expected
     assert calls == [5, 1, 1, 1]  # the prefill (width 5), then one call per decode step
@@ -144,7 +144,7 @@ def test_activation_checkpointing_is_skipped_when_decoding():
     model = tiny().eval()
     expected = [naive_greedy(model, p, 4, NEVER) for p in PROMPTS]
     apply_activation_checkpointing(model)
-    assert all(decoding_layer(layer) is not layer and compiled._groupable(decoding_layer(layer))
+    assert all(decoding_layer(layer) is not layer and decode_step.groupable(decoding_layer(layer))
                for layer in model.layers)
     for sampler in (uncompiled(), eager_generate):
         out = sampler(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER, pad_id=0, temperature=0)
@@ -226,7 +226,7 @@ def test_training_forward_is_causal_after_generation_even_on_error(monkeypatch):
         raise RuntimeError("sampling failed")
 
     monkeypatch.setattr(compiled, "sample_next", boom)
-    monkeypatch.setattr(compiled, "sample_counter", boom)
+    monkeypatch.setattr(decode_step, "sample_counter", boom)  # the draw inside the step
     with pytest.raises(RuntimeError, match="sampling failed"):
         CompiledSampler(compile=False, keep_cache=True)(model, PROMPTS, max_new_tokens=4, stop_tokens=NEVER,
                                                       pad_id=0)
@@ -247,10 +247,10 @@ def test_compiled_step_matches_uncompiled_and_is_reused():
     first = sampler(model, PROMPTS, **kw)
     assert counters["stats"]["unique_graphs"] == 1  # fullgraph: the whole step is one graph
     assert torch.equal(first.completion_tokens, uncompiled()(model, PROMPTS, **kw).completion_tokens)
-    caches = sampler._state["caches"]
+    caches = sampler._state.caches
     other = [[4, 4, 2], [9, 8, 7, 6], [1]]  # another width, same cache bucket: same graph and buffers
     second = sampler(model, other, **kw)
-    assert sampler._state["caches"] is caches
+    assert sampler._state.caches is caches
     assert counters["stats"]["unique_graphs"] == 1  # no recompilation
     assert completions(second) == [naive_greedy(model, p, 6, NEVER) for p in other for _ in range(2)]
     assert not model.caches_are_setup()
@@ -314,11 +314,9 @@ def test_programmatic_launch_adds_pdl_to_the_cuda_graph_mode_where_supported(mon
     """On a Hopper GPU the default compiles the step with CUDA graphs (what mode="reduce-overhead"
     sets) plus inductor's programmatic dependent launches; torch.compile takes a mode or options, so
     the mode is given as its options then. Elsewhere, or when turned off, the mode stays as it was."""
-    import importlib
-
     from torch._inductor import list_mode_options
 
-    da = importlib.import_module("logitless.generation.kernels.decode_attention")  # the package exports a same-named function
+    from logitless.generation.kernels.decode_attention import plan as da
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(da, "supports_programmatic_launch", lambda device: device.type == "cuda")
@@ -380,13 +378,13 @@ def test_attention_window_reads_the_filled_columns_only_and_changes_nothing(monk
     model = tiny(seed=3).eval()
     kw = dict(max_new_tokens=14, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
     lengths = []
-    sdpa = compiled.F.scaled_dot_product_attention
+    sdpa = decode_step.F.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         lengths.append(k.shape[2])
         return sdpa(q, k, v, **kwargs)
 
-    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(decode_step.F, "scaled_dot_product_attention", spy)
     whole = uncompiled(attention_window=None, cache_len_multiple=32)(model, PROMPTS, **kw)
     assert set(lengths[4:]) == {32}  # (after the prefill's) every step reads the whole cache
     lengths.clear()
@@ -415,9 +413,7 @@ def test_compiled_step_samples_a_single_row():
 def _kernel_launches(monkeypatch):
     """Records the split-K kernels' launches as (rows, shared prefix or None) (they run on CPU tensors
     under the Triton interpreter), and those with a new token to rotate and write in ``launches.new_token``."""
-    import importlib
-
-    module = importlib.import_module("logitless.generation.kernels.decode_attention")
+    from logitless.generation.kernels.decode_attention import op as module
 
     class Launches(list):
         new_token = 0
@@ -461,7 +457,6 @@ def test_split_k_greedy_equals_sdpa_with_compaction_and_left_padding(monkeypatch
 
 
 def test_shared_prompt_decode_rule():
-    from logitless.generation import compiled
 
     cpu = torch.device("cpu")
     model = tiny()  # 2 K/V heads of 8: a prompt needs 2^13 columns to reach the rule's elements
@@ -471,11 +466,11 @@ def test_shared_prompt_decode_rule():
     assert auto.uses_shared_prompt(model, cpu, 8, min_elements // 16)
     assert not auto.uses_shared_prompt(model, cpu, 8, min_elements // 16 - 1)
     big_heads = tiny(kv_heads=2)
-    for attn in compiled._attention_modules(big_heads):
+    for attn in decode_cache.attention_modules(big_heads):
         attn.head_dim = 128  # Qwen2.5-1.5B's K/V heads: 512 columns
     assert auto.uses_shared_prompt(big_heads, cpu, 8, 512)
     assert not auto.uses_shared_prompt(big_heads, cpu, 8, 511)  # a short prompt
-    for attn in compiled._attention_modules(big_heads):
+    for attn in decode_cache.attention_modules(big_heads):
         attn.num_kv_heads, attn.head_dim = 8, 128  # Llama-3-8B's: the elements at 128 columns, not the width
     assert auto.uses_shared_prompt(big_heads, cpu, 8, wide)
     assert not auto.uses_shared_prompt(big_heads, cpu, 8, wide - 1)
@@ -495,12 +490,11 @@ def test_shared_prompt_decode_rule():
 
 @pytest.mark.parametrize("max_queries", [128, 4])  # a group in one segment; cut into segments of 2 rows
 def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_padding(monkeypatch, max_queries):
-    import importlib
-
     from logitless.generation import prompt_generators
 
-    module = importlib.import_module("logitless.generation.kernels.decode_attention")
-    monkeypatch.setattr(module, "MAX_PREFIX_QUERIES", max_queries)
+    from logitless.generation.kernels.decode_attention import plan
+
+    monkeypatch.setattr(plan, "MAX_PREFIX_QUERIES", max_queries)
     launches, interpreted = _kernel_launches(monkeypatch)
     model = tiny(seed=2, tied=False).eval()
     prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
@@ -513,7 +507,7 @@ def test_shared_prompt_decode_samples_as_split_k_through_compaction_and_left_pad
         launches.clear()
         runs[share] = sampler(model, prompts, generator=prompt_generators(0, 0, range(len(prompts))), **kw)
         assert moves  # 20 rows -> 10 -> ...
-        segments[share] = sampler._state["segments"]
+        segments[share] = sampler._state.segments
         if interpreted:  # the shared-prefix kernels ran (launches with a prefix), in smaller buckets too
             shared = [prefix is not None for _, prefix in launches]
             assert launches and shared == [share] * len(launches)
@@ -547,11 +541,11 @@ def test_split_k_step_rotates_and_writes_the_cache_as_the_module(monkeypatch, fa
     prompts = PROMPTS + [[3, 4], [8, 8, 8, 8, 8, 8, 8]]
     kw = dict(max_new_tokens=8, stop_tokens=[7, 11], pad_id=0, num_generations=2, temperature=1.0)
     fused, runs = [], {}
-    rotary = compiled._fused_rotary
+    rotary = decode_step._fused_rotary
     launches, interpreted = _kernel_launches(monkeypatch)
     for name in ("module", "fused"):
         choose = (lambda *a: None) if name == "module" else (lambda *a: fused.append(rotary(*a)) or fused[-1])
-        monkeypatch.setattr(compiled, "_fused_rotary", choose)
+        monkeypatch.setattr(decode_step, "_fused_rotary", choose)
         sampler = uncompiled(decode_attention="split_k", min_bucket=2, sync_every=1, cache_len_multiple=16,
                              shared_prompt_decode=shared_prompt)
         runs[name] = sampler(model, prompts, generator=torch.Generator().manual_seed(3), **kw)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from logitless.generation import compiled
+from logitless.generation import decode_step
 from logitless.generation.compiled import CompiledSampler
 from logitless.generation.fused import FusedProjections
 from logitless.generation.trunk import decoding_layer
@@ -39,13 +39,13 @@ def _distinct_bytes(tensors):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_projections_give_the_unfused_tokens_and_log_probs(dtype, mode, monkeypatch):
     calls = []
-    linear = compiled.F.linear
+    linear = decode_step.F.linear
 
     def spy(x, weight, *args):
         calls.append(tuple(weight.shape))
         return linear(x, weight, *args)
 
-    monkeypatch.setattr(compiled.F, "linear", spy)
+    monkeypatch.setattr(decode_step.F, "linear", spy)
     model = tiny(kv_heads=2)
     fused, plain = _pair(model, dtype, mode)
     # the fused path ran: q (4 heads x 8) + k and v (2 x 8 each) = 64 rows, gate + up = 2 x 64 rows
@@ -61,13 +61,13 @@ def test_fused_projections_follow_the_weights_after_an_optimizer_step(mode):
     # buffers (and the fused weights) kept between calls
     sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections=mode)
     before = sampler(model, PROMPTS, **GREEDY).sampler_log_probs.clone()  # kept buffers are reused
-    copy = sampler._state["fused"]
+    copy = sampler._state.fused
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     h = model(torch.tensor([PROMPTS[0]]))
     (h[0, -1, 3] - h[0, -1].logsumexp(0)).backward()  # push every projection towards token 3
     opt.step()
     after = sampler(model, PROMPTS, **GREEDY)
-    assert sampler._state["fused"] is copy  # the same buffers, rewritten in place (shared: written by the step)
+    assert sampler._state.fused is copy  # the same buffers, rewritten in place (shared: written by the step)
     fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
     assert torch.equal(after.completion_tokens, fresh.completion_tokens)
     torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)
@@ -101,7 +101,7 @@ def test_shared_projections_are_the_models_parameters_with_no_copy():
     before = _distinct_bytes(list(model.parameters()))
     sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
     sampler(model, PROMPTS, **GREEDY)
-    fusion = sampler._state["fused"]
+    fusion = sampler._state.fused
     assert fusion.shares(_layers(model)) and fusion.extra_bytes == 0
     # the same Parameter objects (an optimizer built before keeps them), the same values
     assert all(p is params[name] for name, p in model.named_parameters())
@@ -120,7 +120,7 @@ def test_shared_projections_copy_back_a_replaced_parameter():
     model = tiny().double().eval()
     sampler = CompiledSampler(compile=False, keep_cache=True, fused_projections="shared")
     sampler(model, PROMPTS, **GREEDY)
-    fusion = sampler._state["fused"]
+    fusion = sampler._state.fused
     state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(1)
     state["layers.0.attn.k_proj.weight"].normal_(0, 0.5)
@@ -128,7 +128,7 @@ def test_shared_projections_copy_back_a_replaced_parameter():
     model.load_state_dict(state, assign=True)  # new tensors: the sharing is broken
     assert not fusion.shares(_layers(model))
     after = sampler(model, PROMPTS, **GREEDY)
-    assert sampler._state["fused"] is fusion and fusion.shares(_layers(model))
+    assert sampler._state.fused is fusion and fusion.shares(_layers(model))
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
     fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
@@ -143,11 +143,11 @@ def test_two_shared_samplers_read_one_buffer():
     first(model, PROMPTS, **GREEDY)
     bytes_once = _distinct_bytes(list(model.parameters()))
     second(model, PROMPTS, **GREEDY)
-    a, b = first._state["fused"].layers(), second._state["fused"].layers()
+    a, b = first._state.fused.layers(), second._state.fused.layers()
     assert all(a[i][name][0].data_ptr() == b[i][name][0].data_ptr() for i in range(len(a)) for name in a[i])
     assert _distinct_bytes(list(model.parameters())) == bytes_once
     first(model, PROMPTS, **GREEDY)  # neither re-points the parameters away from the other
-    assert second._state["fused"].shares(_layers(model))
+    assert second._state.fused.shares(_layers(model))
 
 
 def test_shared_projections_follow_a_dtype_change():
@@ -156,8 +156,8 @@ def test_shared_projections_follow_a_dtype_change():
     sampler(model, PROMPTS, **GREEDY)
     model.double()  # new float64 tensors for every parameter
     after = sampler(model, PROMPTS, **GREEDY)
-    assert sampler._state["fused"].shares(_layers(model))
-    assert sampler._state["fused"].layers()[0]["qkv"][0].dtype == torch.float64
+    assert sampler._state.fused.shares(_layers(model))
+    assert sampler._state.fused.layers()[0]["qkv"][0].dtype == torch.float64
     fresh = CompiledSampler(compile=False, fused_projections=False)(model, PROMPTS, **GREEDY)
     assert torch.equal(after.completion_tokens, fresh.completion_tokens)
     torch.testing.assert_close(after.sampler_log_probs, fresh.sampler_log_probs, rtol=0, atol=1e-12)

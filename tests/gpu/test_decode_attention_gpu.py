@@ -153,7 +153,7 @@ def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_la
 
     # no counters reserved by an earlier test: the sampler reserves its own, outside the CUDA graphs'
     # memory pool (allocated in the warm-up, they failed the graph's pool check)
-    monkeypatch.setattr(importlib.import_module("logitless.generation.kernels.decode_attention"), "_ARRIVALS", {})
+    monkeypatch.setattr(importlib.import_module("logitless.generation.kernels.decode_attention.op"), "_ARRIVALS", {})
 
     model = two_layers_varied
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
@@ -182,7 +182,7 @@ def test_greedy_shared_prompt_decode_equals_per_row_split_k_token_for_token(two_
     for share in (False, True):
         sampler = CompiledSampler(min_bucket=2, sync_every=4, decode_attention="split_k", shared_prompt_decode=share)
         runs[share] = sampler(model, PROMPTS, **kw)
-        assert (sampler._state["segments"] is not None) == share
+        assert (sampler._state.segments is not None) == share
     assert len(set(runs[True].completion_lengths.tolist())) >= 3  # compaction ran
     assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
     assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)

@@ -35,23 +35,29 @@ reference sampler), four differences in how the work is done:
 Only ``[rows, V]`` logits of one position ever exist. The caches are attached to the model only
 inside the call and detached on exit, even on error: a torchtune 0.6.1 model with caches set up but
 disabled attends bidirectionally when called without a mask.
+
+This module is the driver (options, compilation, the prefill and the sampling loop); the traced
+step is :mod:`logitless.generation.decode_step`, the buffers, buckets and compaction
+:mod:`logitless.generation.decode_cache`.
 """
 
-import importlib
 import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from logitless.generation.decode_cache import (DecodeBuffers, attach, attention_modules, detach, new_caches,
+                                               replicate_prompts)
+from logitless.generation.decode_step import (decode_step, groupable, kernel_draw, record, register_counter_draw,
+                                              register_decode_attention, register_decode_rotary, write_tokens)
 from logitless.generation.fused import FusedProjections
 from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
 from logitless.generation.result import Rollout, left_pad
 from logitless.generation.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
-                                           sample_counter, sample_next, token_hashes)
-from logitless.generation.trunk import _gathered_fsdp_unit, decoding_layer, last_position_logits, run_decoding_layer
+                                           sample_next)
+from logitless.generation.trunk import decoding_layer
 
 __all__ = ["CompiledSampler", "DECODE_ATTENTION", "generate"]
 
@@ -67,297 +73,6 @@ DECODE_ATTENTION = ("auto", "sdpa", "split_k")
 #: with 512 (2^16 elements), and 0.96-1.22x with 128-column prompts; it took longer at 16 rows
 #: (``decode_attention_shared_h200.csv``).
 SHARED_PROMPT_MIN_ELEMENTS, SHARED_PROMPT_MIN_WIDTH, SHARED_PROMPT_MIN_ROWS = 2 ** 17, 256, 32
-
-
-def _register_decode_attention():
-    # registers the op logitless::decode_attention (imports triton); returns its module
-    return importlib.import_module("logitless.generation.kernels.decode_attention")
-
-
-#: logitless.generation.kernels.decode_rotary once registered (with the split-K attention): the traced
-#: decode step reads it from here (importing inside the step would break the graph)
-_decode_rotary = None
-
-
-def _register_decode_rotary():
-    # registers the op logitless::decode_rotary_cache (imports triton); returns its module
-    global _decode_rotary
-    _decode_rotary = _decode_rotary or importlib.import_module("logitless.generation.kernels.decode_rotary")
-    return _decode_rotary
-
-
-def _fused_rotary(attn: nn.Module, s: int, cache: Optional[Tuple[torch.Tensor, torch.Tensor]], split_k):
-    """The :class:`~logitless.generation.kernels.decode_rotary.RotaryTable` of ``attn``'s rotary module where
-    the split-K step rotates and writes the caches in one launch (one token per row, a bucket's cache,
-    no q/k norms, a table covering every cache column), else None."""
-    if _decode_rotary is None or split_k is None or cache is None or s != 1:
-        return None
-    if attn.q_norm is not None or attn.k_norm is not None:
-        return None
-    spec = _decode_rotary.rotary_table(attn.pos_embeddings, attn.head_dim)
-    if spec is None or spec.table.shape[0] < cache[0].shape[2] or spec.table.device != cache[0].device:
-        return None
-    return spec
-
-
-def _register_counter_draw() -> None:
-    # registers the op logitless::counter_draw (imports triton)
-    importlib.import_module("logitless.generation.kernels.counter_sampling")
-
-
-def _kernel_draw(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> bool:
-    """Whether the step draws through the Triton op ``logitless::counter_draw``: on CUDA, without
-    top-k / top-p (the filters need a sort; :func:`sample_counter` keeps them)."""
-    return logits.is_cuda and top_k is None and (top_p is None or top_p >= 1.0) and logits.stride(-1) == 1
-
-
-def _attention_modules(model: nn.Module) -> List[nn.Module]:
-    """The self-attention modules of a torchtune decoder, in layer order."""
-    from torchtune.modules import MultiHeadAttention
-
-    attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not attns:
-        raise ValueError(f"model must be a torchtune TransformerDecoder with MultiHeadAttention layers, "
-                         f"got {type(model).__name__} without any")
-    return attns
-
-
-def _new_caches(attns: Sequence[nn.Module], batch: int, length: int, dtype: torch.dtype,
-                device: torch.device) -> List[nn.Module]:
-    """One preallocated torchtune ``KVCache`` per attention module."""
-    from torchtune.modules import KVCache
-
-    with device:
-        return [KVCache(batch_size=batch, max_seq_len=length, num_kv_heads=a.num_kv_heads,
-                        head_dim=a.head_dim, dtype=dtype) for a in attns]
-
-
-def _attach(attns: Sequence[nn.Module], caches: Sequence[nn.Module]) -> None:
-    for attn, cache in zip(attns, caches):
-        attn.kv_cache = cache
-        attn.cache_enabled = True
-
-
-def _detach(attns: Sequence[nn.Module]) -> None:
-    # same end state as torchtune's delete_kv_caches: no cache, so the model is causal again
-    for attn in attns:
-        attn.kv_cache = None
-        attn.cache_enabled = False
-
-
-def _groupable(layer: nn.Module) -> bool:
-    """True for a torchtune self-attention layer whose parts may be called directly: a plain one
-    without hooks, or an FSDP2 unit with its weights gathered (its hooks are FSDP's bookkeeping);
-    ``layer`` is already past activation checkpointing (:func:`decoding_layer`)."""
-    from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
-
-    if type(layer.attn) is not MultiHeadAttention or layer.attn._forward_hooks or layer.attn._forward_pre_hooks:
-        return False
-    if _gathered_fsdp_unit(layer):
-        return isinstance(layer, TransformerSelfAttentionLayer)
-    return type(layer) is TransformerSelfAttentionLayer and not (layer._forward_hooks or layer._forward_pre_hooks)
-
-
-def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
-                       cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                       col: Optional[torch.Tensor] = None, window=None,
-                       qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                       split_k: Optional[Tuple] = None) -> torch.Tensor:
-    """torchtune's cached self-attention without expanding K/V to every query head.
-
-    ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
-    and step before SDPA. Here the query heads that share a K/V head are folded into the query
-    length instead (query head ``h`` reads K/V head ``h // group``, torchtune's order), so SDPA
-    reads the cache once; the result is the same attention. With ``cache`` (the first ``B`` rows of
-    the layer's cache, as a batch bucket sees them) the new key and value are written at column
-    ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
-    columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
-    (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
-    n_filled, programmatic_launch, shared_prefix, rotations)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
-    :class:`~logitless.generation.kernels.decode_attention.SharedPrefix` or None, a dict the step fills with
-    each rotary table's per-row coefficients) one new token per row attends through the split-K kernel
-    (:func:`logitless.generation.kernels.decode_attention`), which reads the first ``n_filled`` columns of the
-    cache only (each group's prompt columns once, with a shared prefix), instead of SDPA under
-    ``mask``. Where :func:`_fused_rotary` allows, the compiler's three or four kernels of rotary
-    embedding and cache write go: into the attention's own launch without a shared prefix
-    (:class:`~logitless.generation.kernels.decode_attention.NewToken`), else into one launch before it
-    (:func:`logitless.generation.kernels.decode_rotary.decode_rotary_cache`; inside the attention it measured
-    slower there, the shared-prefix programs all rotating their rows' queries).
-    """
-    b, s, _ = x.shape
-    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if qkv is None:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    else:
-        q, k, v = F.linear(x, *qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    rotary = _fused_rotary(attn, s, cache, split_k)
-    if rotary is not None and split_k[3] is None:  # rotary embedding and cache write inside the attention
-        key_valid, n_filled, programmatic, _, rotations = split_k
-        if id(rotary.table) not in rotations:  # once a step for the layers that share a rotary module
-            rotations[id(rotary.table)] = _decode_rotary.rotation_coefficients(rotary, input_pos.view(b), dim, q.dtype)
-        out = torch.ops.logitless.decode_attention_new_token(
-            q.view(b, heads, dim), cache[0], cache[1], key_valid, n_filled, k.view(b, kv_heads, dim),
-            v.view(b, kv_heads, dim), *rotations[id(rotary.table)], rotary.interleaved, dim ** -0.5, 0, 0, 0, 0,
-            programmatic)
-        return attn.output_proj(out.reshape(b, 1, heads * dim))
-    if rotary is not None:  # with a shared prompt: rotary embedding and cache write in one launch before it
-        q = torch.ops.logitless.decode_rotary_cache(q.view(b, heads, dim), k.view(b, kv_heads, dim),
-                                                    v.view(b, kv_heads, dim), input_pos.view(b), *rotary, col,
-                                                    cache[0], cache[1], split_k[2])[:, :, None]
-        return _split_k_attention(attn, q, cache, split_k)
-    q = q.view(b, s, heads, dim)
-    k = k.view(b, s, kv_heads, dim)
-    v = v.view(b, s, kv_heads, dim)
-    if attn.pos_embeddings is not None:
-        q = attn.pos_embeddings(q, input_pos=input_pos)
-        k = attn.pos_embeddings(k, input_pos=input_pos)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if attn.q_norm is not None:
-        q = attn.q_norm(q)
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    if cache is None:
-        k, v = attn.kv_cache.update(k, v)
-    else:
-        # written into the bucket's cache itself, then read through a narrowed view
-        cache[0].index_copy_(2, col, k)
-        cache[1].index_copy_(2, col, v)
-        k, v = cache
-        if window is not None:
-            k, v = k.narrow(2, 0, window), v.narrow(2, 0, window)
-    if split_k is not None:
-        return _split_k_attention(attn, q, (k, v), split_k)
-    group = heads // kv_heads
-    q = q.reshape(b, kv_heads, group * s, dim)
-    length = mask.shape[-1]
-    mask = mask[:, None, None].expand(b, 1, group, s, length).reshape(b, 1, group * s, length)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    # reshape, not view: some SDPA kernels (fp32 on CUDA) return a (B, L, H, D) memory layout.
-    return attn.output_proj(out.reshape(b, heads, s, dim).transpose(1, 2).reshape(b, s, heads * dim))
-
-
-def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tensor, torch.Tensor],
-                       split_k: Tuple) -> torch.Tensor:
-    """The output projection of one new token per row (``q``: ``(B, Hq, 1, D)``, rotated) attending
-    through the split-K kernel to the filled columns of ``cache`` (see :func:`_grouped_attention`)."""
-    b, heads, _, dim = q.shape
-    k, v = cache
-    # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-    key_valid, n_filled, programmatic, prefix, _ = split_k
-    if prefix is None:
-        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
-                                                   0, programmatic)
-    else:
-        out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
-                                                                 dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
-    return attn.output_proj(out.reshape(b, 1, heads * dim))
-
-
-def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
-                grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                col: Optional[torch.Tensor] = None, window=None,
-                fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
-                split_k: Optional[Tuple] = None) -> torch.Tensor:
-    """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
-    ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
-    the split-K attention of :func:`_grouped_attention`)."""
-    layer = decoding_layer(layer)
-    if not (grouped and _groupable(layer)):
-        return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
-    fused = fused or {}
-    h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window,
-                                          fused.get("qkv"), split_k)) + h
-    x = layer.mlp_norm(h)
-    if "gate_up" not in fused:
-        return h + layer.mlp_scale(layer.mlp(x))
-    # torchtune's FeedForward: w2(act(w1 x) * w3 x)
-    gate, up = F.linear(x, *fused["gate_up"]).chunk(2, dim=-1)
-    return h + layer.mlp_scale(layer.mlp.w2(layer.mlp.activation(gate) * up))
-
-
-def _record(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], logits: torch.Tensor,
-            draw: Tuple) -> None:
-    """Samples token ``t`` of every row of a bucket from ``logits`` with the counter-based stream and
-    writes it: into the outputs (at the row's original index), the finished flags and the next
-    step's input; ``t`` advances. All in place, no host sync: it runs inside the captured graph."""
-    temperature, top_k, top_p, pad_id = draw
-    step = shared["t"]
-    if _kernel_draw(logits, top_k, top_p):  # the same draw in two launches (generation/kernels/counter_sampling.py)
-        nxt, logp = torch.ops.logitless.counter_draw(logits, rows["keys"], step, float(temperature))
-    else:
-        nxt, logp = sample_counter(logits, rows["keys"], step, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   token_hash=shared["token_hash"])
-    _write(rows, shared, nxt, logp, pad_id)
-
-
-def _write(rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor], nxt: torch.Tensor,
-           logp: torch.Tensor, pad_id: int) -> None:
-    """Writes sampled token ``t`` of a bucket's rows (see :func:`_record`)."""
-    done, slots, step = rows["done"], rows["slots"], shared["t"]
-    live = ~done
-    nxt = torch.where(live, nxt, torch.full_like(nxt, pad_id))
-    at = (slots, step.expand_as(slots))
-    shared["out_tokens"].index_put_(at, nxt)
-    shared["out_mask"].index_put_(at, live)
-    shared["out_logp"].index_put_(at, torch.where(live, logp, torch.zeros_like(logp)))
-    done.copy_(done | (live & shared["is_stop"][nxt]))
-    rows["tokens"].copy_(nxt[:, None])
-    step.add_(1)
-
-
-def _decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[str, torch.Tensor],
-                 weight: torch.Tensor, grouped: bool = True, draw: Optional[Tuple] = None,
-                 columns: Optional[torch.Tensor] = None, fused: Optional[List[Dict]] = None,
-                 split_k: bool = False, programmatic_launch: bool = False, shared_prompt: int = 0):
-    """One decode step of a bucket of rows at cache column ``shared["col"]`` (a ``(1,)`` tensor,
-    not an int, so the compiled step is the same graph at every column).
-
-    Runs the trunk on the rows' last tokens; with ``draw`` (temperature, top_k, top_p, pad_id) it
-    also samples and writes the next token (:func:`_record`) and returns None, else it returns the
-    ``(rows, V)`` logits (the head GEMM's dtype). Positions and the column advance in place.
-    ``columns`` (the column indices ``0 .. W-1`` of a window holding every filled column) limits
-    attention to the window; its length turns dynamic at its first change (one recompilation), after
-    which each window size is one more CUDA graph. ``fused`` holds each layer's concatenated projections
-    (:meth:`FusedProjections.layers`; None runs the layers' own). ``split_k``: the grouped layers
-    attend through the split-K kernel, whose reads follow the filled columns (``shared["n_filled"]``,
-    ``col + 1``, a device tensor), so no window is needed and every step is the same graph; ``programmatic_launch``: the
-    split-K kernels are programmatic dependent launches; ``shared_prompt`` (> 0, with ``split_k``):
-    the split-K kernels read each group's prompt columns once, for segments of at most that many
-    rows described by ``shared``'s ``prompt_width``, ``seg_start``, ``seg_rows`` and ``covered``.
-    """
-    tokens, input_pos, key_valid, col = rows["tokens"], rows["input_pos"], rows["key_valid"], shared["col"]
-    caches = rows.get("caches")
-    window = None
-    if columns is None:
-        columns = torch.arange(key_valid.shape[1], device=key_valid.device)
-    else:  # attend over the filled window only: the first len(columns) columns of the cache
-        # narrow, not a slice: a slice's clamp to the size would specialise the window to it
-        window = columns.shape[0]
-        key_valid = key_valid.narrow(1, 0, window)
-    mask = key_valid[:, None, :] & (columns <= col)
-    # this step's key is written at column col
-    prefix = None  # else the fields of a decode_attention.SharedPrefix
-    if shared_prompt:
-        prefix = (shared["prompt_width"], shared["seg_start"], shared["seg_rows"], shared["covered"], shared_prompt)
-    # the filled count is a buffer of its own, not col + 1: the compiler would recompute that sum in a
-    # launch of its own before every layer's attention
-    n_filled = shared["n_filled"]
-    filled = (key_valid, n_filled, programmatic_launch, prefix, {}) if split_k else None
-
-    def run_layer(index, layer, h):
-        return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,
-                           fused[index] if fused else None, filled)
-
-    # the head GEMM's dtype: every draw upcasts as it reads (no fp32 copy of the logits)
-    logits = last_position_logits(model, tokens, input_pos=input_pos, mask=mask, weight=weight, run_layer=run_layer,
-                                  upcast=False)
-    input_pos.add_(1)
-    col.add_(1)
-    n_filled.add_(1)
-    if draw is None:
-        return logits
-    _record(rows, shared, logits, draw)
-    return None
 
 
 def _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k, top_p) -> None:
@@ -495,7 +210,7 @@ class CompiledSampler:
             raise ValueError("decode_attention='split_k' needs grouped_attention=True (the grouped decode step is "
                              "where it runs); got grouped_attention=False")
         if decode_attention == "split_k":
-            _register_decode_attention()
+            register_decode_attention()
         _check_int("sync_every", sync_every, 1)
         _check_int("cache_len_multiple", cache_len_multiple, 1)
         _check_int("max_cache_len", max_cache_len, 2, optional=True)
@@ -523,7 +238,7 @@ class CompiledSampler:
         self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._compiled = None
-        self._state: Optional[Dict[str, object]] = None
+        self._state: Optional[DecodeBuffers] = None
 
     # ----------------------------------------------------------------------------------------- setup
     def _use_compile(self, device: torch.device) -> bool:
@@ -535,7 +250,7 @@ class CompiledSampler:
         if self.decode_attention == "auto":
             if device.type != "cuda" or not self.grouped_attention:
                 return False
-            _register_decode_attention()
+            register_decode_attention()
             return True
         return self.decode_attention == "split_k"
 
@@ -555,7 +270,7 @@ class CompiledSampler:
                              f"{self.decode_attention!r} does not run on {device} (use 'split_k')")
         if not (split_k and num_generations > 1):
             return False
-        attn = _attention_modules(model)[0]
+        attn = attention_modules(model)[0]
         elements = width * attn.num_kv_heads * attn.head_dim  # one row's prompt keys (or values) in a layer
         return bool(self.shared_prompt_decode) or (width >= SHARED_PROMPT_MIN_WIDTH
                                                    and elements >= SHARED_PROMPT_MIN_ELEMENTS)
@@ -567,7 +282,7 @@ class CompiledSampler:
         Raises:
             ValueError: ``programmatic_launch=True`` where it is not supported, naming why.
         """
-        from logitless.generation.kernels.decode_attention import supports_programmatic_launch
+        from logitless.generation.kernels.decode_attention.plan import supports_programmatic_launch
 
         if self.programmatic_launch is False:
             return False
@@ -596,14 +311,14 @@ class CompiledSampler:
 
     def _step_fn(self, device: torch.device):
         if not self._use_compile(device):
-            return _decode_step
+            return decode_step
         if self._compiled is None:
             mode, options = self._compile_options(device)
             # not fullgraph: a graph break on another torch version costs speed, not the run
             # (tests/generation/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
-            self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, options=options,
+            self._compiled = torch.compile(decode_step, backend=self.backend, mode=mode, options=options,
                                            dynamic=None if self.compaction or self.attention_window else False)
         return self._compiled
 
@@ -617,70 +332,18 @@ class CompiledSampler:
         m = self.cache_len_multiple
         return -(-need // m) * m
 
-    def _buffers(self, attns, rows: int, length: int, dtype, device, weight: torch.Tensor) -> Dict[str, object]:
-        """The decode caches, the outputs and the step inputs, reused while the shape is unchanged."""
-        key = (rows, length, dtype, device, len(attns), tuple(weight.shape), weight.dtype)
-        if self._state is not None and self._state["key"] == key:
+    def _buffers(self, attns, rows: int, length: int, dtype, device, weight: torch.Tensor) -> DecodeBuffers:
+        """The decode buffers of this shape: the kept ones when they match, else new ones."""
+        if self._state is not None and self._state.key == DecodeBuffers.key_of(attns, rows, length, dtype, device,
+                                                                               weight):
             return self._state
         self._state = None  # drop the old buffers before allocating new ones
-        vocab = weight.shape[0]
-        shared = {  # one extra output row: where finished filler rows of a bucket write
-            "col": torch.zeros(1, dtype=torch.long, device=device),
-            "n_filled": torch.ones(1, dtype=torch.long, device=device),  # col + 1: the columns attention reads
-            "t": torch.zeros(1, dtype=torch.long, device=device),
-            "out_tokens": torch.zeros(rows + 1, length, dtype=torch.long, device=device),
-            "out_mask": torch.zeros(rows + 1, length, dtype=torch.bool, device=device),
-            "out_logp": torch.zeros(rows + 1, length, dtype=torch.float32, device=device),
-            "is_stop": torch.zeros(vocab, dtype=torch.bool, device=device),
-            "token_hash": token_hashes(vocab, device),
-        }
-        columns = torch.arange(length, device=device)
-        state = {
-            "key": key,
-            "caches": _new_caches(attns, rows, length, dtype, device),
-            "shared": shared,
-            "buckets": {},
-            "columns": columns,
-            "weight": None if isinstance(weight, nn.Parameter) else torch.empty_like(weight),
-        }
-        # fixed addresses: CUDA graphs read these in place instead of copying them every replay
-        static = list(shared.values()) + [columns]
-        static += [t for c in state["caches"] for t in (c.k_cache, c.v_cache, c.cache_pos)]
-        static.append(weight if state["weight"] is None else state["weight"])
-        for t in static:
-            torch._dynamo.mark_static_address(t)
-        self._state = state
-        return state
-
-    def _bucket(self, state, size: int, views: bool) -> Dict[str, torch.Tensor]:
-        """The step inputs of a batch bucket of ``size`` rows (the first ``size`` rows of the caches)."""
-        bucket = state["buckets"].get(size)
-        if bucket is not None:
-            return bucket
-        length = state["key"][1]
-        device = state["shared"]["col"].device
-        bucket = {
-            "tokens": torch.zeros(size, 1, dtype=torch.long, device=device),
-            "input_pos": torch.zeros(size, 1, dtype=torch.long, device=device),
-            "key_valid": torch.ones(size, length, dtype=torch.bool, device=device),
-            "keys": torch.zeros(size, dtype=torch.long, device=device),
-            "done": torch.ones(size, dtype=torch.bool, device=device),
-            "slots": torch.zeros(size, dtype=torch.long, device=device),
-        }
-        tensors = list(bucket.values())
-        if views:
-            bucket["caches"] = [(c.k_cache[:size], c.v_cache[:size]) for c in state["caches"]]
-            tensors += [t for pair in bucket["caches"] for t in pair]
-        for t in tensors:
-            torch._dynamo.mark_static_address(t)
-            if self.compaction:  # "maybe": dynamo may keep a size it has to specialise (one row)
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        state["buckets"][size] = bucket
-        return bucket
+        self._state = DecodeBuffers(attns, rows, length, dtype, device, weight, dynamic_rows=self.compaction)
+        return self._state
 
     def _grouped_everywhere(self, model: nn.Module) -> bool:
         """Every layer runs the grouped decode step, which can read any window of any bucket."""
-        return self.grouped_attention and all(_groupable(decoding_layer(layer)) for layer in model.layers)
+        return self.grouped_attention and all(groupable(decoding_layer(layer)) for layer in model.layers)
 
     def _sizes(self, rows: int, grouped: bool) -> List[int]:
         """The batch buckets, largest first: ``rows`` alone, or halving down to ``min_bucket``."""
@@ -697,11 +360,11 @@ class CompiledSampler:
         if not (self.fused_projections and grouped):
             return None
         layers = [decoding_layer(layer) for layer in model.layers]
-        fused = state.get("fused")
+        fused = state.fused
         share = self.fused_projections == "shared"
         if fused is None or not fused.matches(layers) or fused.share != share:
-            state["fused"] = fused = None  # drop the old copy before allocating a new one
-            state["fused"] = fused = FusedProjections(layers, share=share)
+            state.fused = fused = None  # drop the old copy before allocating a new one
+            state.fused = fused = FusedProjections(layers, share=share)
         fused.refresh(layers)
         return fused.layers()
 
@@ -714,28 +377,15 @@ class CompiledSampler:
         """Runs the distinct prompts once (in chunks of at most ``prefill_chunk_tokens`` tokens);
         returns last-position logits ``(P, V)`` and their caches."""
         rows, width = tokens.shape
-        caches = _new_caches(attns, rows, width, dtype, tokens.device)
-        _attach(attns, caches)
+        caches = new_caches(attns, rows, width, dtype, tokens.device)
+        attach(attns, caches)
         try:
             positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
             logits = prefill(model, tokens, input_pos=positions, prompt_mask=prompt_mask,
                              chunk_tokens=self.prefill_chunk_tokens, weight=weight)
         finally:
-            _detach(attns)
+            detach(attns)
         return logits, caches
-
-    @staticmethod
-    def _replicate(small: Sequence[nn.Module], big: Sequence[nn.Module], groups: int, width: int) -> None:
-        """Copies each prompt's cache entries into its ``groups`` consecutive decode rows and points
-        the caches' write position at column ``width`` (the first completion token)."""
-        for src, dst in zip(small, big):
-            rows, heads, length, dim = dst.k_cache.shape
-            for name in ("k_cache", "v_cache"):
-                out = getattr(dst, name)
-                out.zero_()  # stale columns from a previous call: masked, but keep them finite
-                view = out.view(rows // groups, groups, heads, length, dim)
-                view[..., :width, :].copy_(getattr(src, name)[:, None])
-            dst.cache_pos.copy_(torch.arange(length, device=dst.cache_pos.device) + width)
 
     # ------------------------------------------------------------------------------------------ call
     @torch.no_grad()
@@ -783,7 +433,7 @@ class CompiledSampler:
         if model.caches_are_setup():
             raise ValueError("model: KV caches are already set up; the fast sampler attaches its own "
                              "(call torchtune.modules.common_utils.delete_kv_caches(model) first)")
-        attns = _attention_modules(model)
+        attns = attention_modules(model)
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
         self.uses_programmatic_launch(device)  # programmatic_launch=True where unsupported: an error before any compute
@@ -797,21 +447,21 @@ class CompiledSampler:
         try:
             weight = head_weight(model)  # a Parameter (tied/untied head) is used in place
             state = self._buffers(attns, rows, length, dtype, device, weight)
-            if state["weight"] is not None:  # e.g. a merged LoRA head: copy into the fixed buffer
-                state["weight"].copy_(weight)
-                weight = state["weight"]
+            if state.weight is not None:  # e.g. a merged LoRA head: copy into the fixed buffer
+                state.weight.copy_(weight)
+                weight = state.weight
             logits, small = self._prefill(model, attns, tokens, prompt_mask, weight, dtype)
-            self._replicate(small, state["caches"], groups, width)
+            replicate_prompts(small, state.caches, groups, width)
             del small
             full_mask = prompt_mask.repeat_interleave(groups, dim=0)
-            _attach(attns, state["caches"])
+            attach(attns, state.caches)
             try:
                 out = self._decode(model, state, logits.repeat_interleave(groups, dim=0), full_mask,
                                    weight, groups=groups, max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, pad_id=pad_id, temperature=temperature,
                                    top_k=top_k, top_p=top_p, generator=generator)
             finally:
-                _detach(attns)
+                detach(attns)
         finally:
             model.train(was_training)
             if not (self._use_compile(device) if self.keep_cache is None else self.keep_cache):
@@ -841,25 +491,26 @@ class CompiledSampler:
         step = self._step_fn(device)
         graphs = self._use_compile(device) and device.type == "cuda"
         counter = self.draws == "counter"
-        if counter and _kernel_draw(logits, top_k, top_p):
-            _register_counter_draw()  # before tracing: the step calls the op
+        if counter and kernel_draw(logits, top_k, top_p):
+            register_counter_draw()  # before tracing: the step calls the op
         if self.uses_split_k(device):
             # the split-K kernels' counters, outside the CUDA graphs' memory pool
-            _register_decode_attention().reserve_arrivals(device)
-            _register_decode_rotary()  # before tracing: the step calls the op
+            register_decode_attention().reserve_arrivals(device)
+            register_decode_rotary()  # before tracing: the step calls the op
         grouped = self._grouped_everywhere(model)
         fused = self._fused(state, model, self.grouped_attention)
         sizes = self._sizes(rows, grouped)
-        shared = state["shared"]
-        length = state["key"][1]
+        shared = state.shared
+        length = state.length
         split_k = self.uses_split_k(device)
         programmatic = self.uses_programmatic_launch(device)
         shared_prompt = 0  # rows per segment of a shared prompt (0: none)
-        state["segments"] = None
+        state.segments = None
         if grouped and self.uses_shared_prompt(model, device, groups, width):
-            shared_prompt = self._prompt_segments(state, model, rows, groups, width)
+            attn = attention_modules(model)[0]
+            shared_prompt = state.share_prompt(attn.num_heads // attn.num_kv_heads, rows, groups, width)
         windowed = self.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
-        bucket = self._bucket(state, rows, views=grouped)
+        bucket = state.bucket(rows, views=grouped)
         # every row starts live, in its own slot; token 0 is written at t = 0
         bucket["key_valid"].fill_(True)
         bucket["key_valid"][:, :width].copy_(prompt_mask)
@@ -879,9 +530,9 @@ class CompiledSampler:
         draw = (temperature, top_k, top_p, pad_id)
         if counter:
             bucket["keys"].copy_(row_keys(generator, rows // groups, groups, device))
-            _record(bucket, shared, logits, draw)
+            record(bucket, shared, logits, draw)
         else:
-            _write(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+            write_tokens(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                 generator=generator), pad_id)
         logits = None
         for t in range(1, max_new_tokens):
@@ -896,7 +547,7 @@ class CompiledSampler:
                 torch.compiler.cudagraph_mark_step_begin()
             columns = None
             if windowed:  # this step writes column width + t - 1
-                columns = state["columns"][:min(length, -(-(width + t) // self.attention_window) * self.attention_window)]
+                columns = state.columns[:min(length, -(-(width + t) // self.attention_window) * self.attention_window)]
                 torch._dynamo.mark_static_address(columns)
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
             in_graph = counter and self.graph_sampling
@@ -904,74 +555,21 @@ class CompiledSampler:
             logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
                           fused, split_k, programmatic, shared_prompt if big else 0)
             if counter and not in_graph:
-                _record(bucket, shared, logits, draw)
+                record(bucket, shared, logits, draw)
                 logits = None
             elif not counter:
-                _write(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                write_tokens(bucket, shared, *sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                     generator=generator), pad_id)
                 logits = None  # the step's output buffer is overwritten by the next replay
         done = (shared["out_mask"] & shared["is_stop"][shared["out_tokens"].clamp(0, vocab - 1)]).any(dim=1)
         return (shared["out_tokens"][:rows, :max_new_tokens], shared["out_mask"][:rows, :max_new_tokens],
                 shared["out_logp"][:rows, :max_new_tokens], done[:rows])
 
-    def _compact(self, state, bucket, size: int, pad_id: int) -> Dict[str, torch.Tensor]:
-        """Moves the live rows of ``bucket`` (caches, step inputs, keys, output slots) to the first
-        rows of the ``size``-row bucket; its other rows are finished fillers writing to the spare
-        output row. Returns the new bucket."""
-        live = (~bucket["done"]).nonzero().squeeze(1)
-        n = live.numel()
-        new = self._bucket(state, size, views=True)
-        for cache in state["caches"]:
-            cache.k_cache[:n] = cache.k_cache.index_select(0, live)
-            cache.v_cache[:n] = cache.v_cache.index_select(0, live)
-        for name in ("tokens", "input_pos", "key_valid", "keys", "slots"):
-            new[name][:n] = bucket[name].index_select(0, live)
-        new["done"][:n] = False
-        new["done"][n:] = True
-        new["slots"][n:] = state["shared"]["out_tokens"].shape[0] - 1
-        new["tokens"][n:] = pad_id
-        new["input_pos"][n:] = 0
-        new["key_valid"][n:] = True
-        if state.get("segments") is not None:
-            self._set_segments(state, new["slots"][:n], n)
-        return new
-
-    def _prompt_segments(self, state, model: nn.Module, rows: int, groups: int, width: int) -> int:
-        """Sets up the shared-prompt segment table of a call (every group's rows, cut into segments
-        of at most :func:`~logitless.generation.kernels.decode_attention.prefix_rows` rows) in ``shared``'s
-        static buffers; returns the rows per segment."""
-        from logitless.generation.kernels.decode_attention import prefix_rows
-
-        attn = _attention_modules(model)[0]
-        per = prefix_rows(attn.num_heads // attn.num_kv_heads, groups)
-        shared = state["shared"]
-        device = shared["col"].device
-        count = rows // groups * -(-groups // per)  # segments of group_segments' table
-        if shared.get("seg_start") is None or shared["seg_start"].shape[0] != count:
-            shared["seg_start"] = torch.zeros(count, dtype=torch.int32, device=device)
-            shared["seg_rows"] = torch.zeros(count, dtype=torch.int32, device=device)
-            shared["prompt_width"] = torch.zeros(1, dtype=torch.long, device=device)
-            shared["covered"] = torch.zeros(1, dtype=torch.long, device=device)
-            for name in ("seg_start", "seg_rows", "prompt_width", "covered"):
-                torch._dynamo.mark_static_address(shared[name])
-        shared["prompt_width"].fill_(width)
-        state["segments"] = (groups, per, count)
-        self._set_segments(state, torch.arange(rows, device=device), rows)
-        return per
-
     @staticmethod
-    def _set_segments(state, slots: torch.Tensor, live: int) -> None:
-        """Fills the segment table for a bucket whose first ``live`` rows hold the original rows
-        ``slots`` (ascending, so each group's rows stay consecutive); later rows are in none."""
-        from logitless.generation.kernels.decode_attention import group_segments
-
-        groups, per, count = state["segments"]
-        shared = state["shared"]
-        num_groups = count // -(-groups // per)
-        start, rows = group_segments(slots, groups, per, num_groups)
-        shared["seg_start"].copy_(start)
-        shared["seg_rows"].copy_(rows)
-        shared["covered"].fill_(live)
+    def _compact(state: DecodeBuffers, bucket: Dict[str, torch.Tensor], size: int,
+                 pad_id: int) -> Dict[str, torch.Tensor]:
+        """Moves the live rows of ``bucket`` into the ``size``-row bucket (:meth:`DecodeBuffers.compact`)."""
+        return state.compact(bucket, size, pad_id)
 
 
 _SAMPLERS: "weakref.WeakKeyDictionary[nn.Module, CompiledSampler]" = weakref.WeakKeyDictionary()

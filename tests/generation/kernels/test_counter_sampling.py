@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from logitless.generation.kernels.counter_sampling import _gumbel2, counter_draw, counter_draw_splits
-from logitless.generation import CompiledSampler, compiled, prompt_generators
+from logitless.generation import CompiledSampler, decode_step, prompt_generators
 from logitless.generation.sampling import sample_counter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,13 +170,13 @@ def test_the_sampler_draws_the_same_tokens_through_the_kernel(monkeypatch):
 
     reference = sample()
     calls = []
-    real = compiled._kernel_draw
+    real = decode_step.kernel_draw
 
     def forced(logits, top_k, top_p):
         calls.append(1)
         return top_k is None and top_p is None  # the kernel on the CPU too (interpreter)
 
-    monkeypatch.setattr(compiled, "_kernel_draw", forced if DEVICE == "cpu" else real)
+    monkeypatch.setattr(decode_step, "kernel_draw", forced if DEVICE == "cpu" else real)
     kernel = sample()
     assert DEVICE == "cuda" or calls
     assert torch.equal(kernel.completion_tokens, reference.completion_tokens)

@@ -5,7 +5,6 @@ On a machine without CUDA the kernels run in Triton's CPU interpreter (``tests/c
 1 or 2 K/V heads, 1, 3 or 7 query heads per K/V head, head_dim 16 or 64, 37 or 70 columns.
 """
 
-import importlib
 import itertools
 import math
 
@@ -14,10 +13,9 @@ import torch
 from torch.nn import functional as F
 
 pytest.importorskip("triton")
-from logitless.generation.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-
-# the module itself: the package attribute of that name is the function
-da = importlib.import_module("logitless.generation.kernels.decode_attention")
+from logitless.generation.kernels.decode_attention import (NewToken, SharedPrefix, decode_attention,  # noqa: E402
+                                                            decode_attention_reference)
+from logitless.generation.kernels.decode_attention import op as da_op, plan as da_plan  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS, CACHE_ROWS = 3, 5
@@ -125,8 +123,8 @@ def test_the_fallback_off_cuda_without_the_interpreter_is_the_reference(monkeypa
     q, k, v, valid = _problem(2, 7, 16, 37, torch.float32, seed=3)
     q, k, v, valid = q.cpu(), k.cpu(), v.cpu(), valid.cpu()
     nf = torch.tensor([30])
-    monkeypatch.setattr(da, "triton_interpreting", lambda: False)
-    monkeypatch.setattr(da, "_launch", lambda *a: pytest.fail("the kernel ran without CUDA or the interpreter"))
+    monkeypatch.setattr(da_op, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(da_op, "_launch", lambda *a: pytest.fail("the kernel ran without CUDA or the interpreter"))
     out = decode_attention(q, k, v, valid, nf)
     assert _err(out, _float64(q, k, v, valid, 30)) < 1e-6
     assert torch.isfinite(out).all()
@@ -233,15 +231,15 @@ def test_the_last_partial_program_merges_as_the_merge_kernel_does(monkeypatch, s
         kw = dict(shared_prefix=prefix, prefix_split_len=16 if shared else None, split_len=split,
                   block_n=16 if split else None)
         nf = torch.tensor([n], device=DEV)
-        monkeypatch.setattr(da, "MERGE_IN_PARTIAL", True)
+        monkeypatch.setattr(da_op, "MERGE_IN_PARTIAL", True)
         merged = decode_attention(q, k, v, valid, nf, **kw)
-        monkeypatch.setattr(da, "MERGE_IN_PARTIAL", False)
+        monkeypatch.setattr(da_op, "MERGE_IN_PARTIAL", False)
         separate = decode_attention(q, k, v, valid, nf, **kw)
         assert torch.equal(merged, separate), (n, split)
         calls.append(n)
-    counters = da._ARRIVALS[q.device]
+    counters = da_op._ARRIVALS[q.device]
     assert int(counters.abs().sum()) == 0  # every launch set its counts back to zero
-    assert da._arrivals(q.device, da.ARRIVAL_SLOTS + 1) is None  # too many (row, head) pairs: the merge kernel
+    assert da_op._arrivals(q.device, da_op.ARRIVAL_SLOTS + 1) is None  # too many (row, head) pairs: the merge kernel
     assert len(calls) == 5
 
 
@@ -253,21 +251,21 @@ def test_counters_are_reserved_by_eager_callers_only(monkeypatch):
 
     from logitless.generation import CompiledSampler
 
-    monkeypatch.setattr(da, "_ARRIVALS", {})
+    monkeypatch.setattr(da_op, "_ARRIVALS", {})
     q, k, v, valid = _problem(2, 3, 16, 70, torch.float32, seed=6)
     nf = torch.tensor([53], device=DEV)
     raw = torch.ops.logitless.decode_attention(q, k, v, valid, nf, 0.25, 16, 16, 0, 0, False)
-    assert da._ARRIVALS == {}
+    assert da_op._ARRIVALS == {}
     eager = decode_attention(q, k, v, valid, nf, scale=0.25, split_len=16, block_n=16)
-    assert set(da._ARRIVALS) == {q.device}
+    assert set(da_op._ARRIVALS) == {q.device}
     assert torch.equal(raw, eager)
-    monkeypatch.setattr(da, "_ARRIVALS", {})
+    monkeypatch.setattr(da_op, "_ARRIVALS", {})
     torch.manual_seed(0)
     model = qwen2(vocab_size=97, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64,
                   max_seq_len=64, tie_word_embeddings=True).eval().to(DEV)
     sampler = CompiledSampler(compile=False, decode_attention="split_k")
     sampler(model, [[5, 6, 7]], max_new_tokens=3, stop_tokens=[1], pad_id=0, num_generations=2, temperature=0)
-    assert set(da._ARRIVALS) == {q.device}
+    assert set(da_op._ARRIVALS) == {q.device}
 
 
 def _new_token_problem(kind, hkv, group, dim, length, dtype, seed):
@@ -286,7 +284,7 @@ def _new_token_problem(kind, hkv, group, dim, length, dtype, seed):
     module = (RotaryPositionalEmbeddings if kind == "llama" else Qwen2RotaryPositionalEmbeddings)(dim, max_seq_len=96)
     spec = rotary_table(module.to(DEV), dim)
     positions = torch.randint(0, 96, (ROWS,), generator=g).to(DEV)
-    token = da.NewToken(k_new, v_new, *rotation_coefficients(spec, positions, dim, dtype), spec.interleaved)
+    token = NewToken(k_new, v_new, *rotation_coefficients(spec, positions, dim, dtype), spec.interleaved)
     return q, k, v, valid, token, spec, positions
 
 
@@ -305,7 +303,7 @@ def test_new_token_is_rotated_written_and_attended_as_the_module_then_the_kernel
 
         out = decode_attention(q, k, v, valid, nf, split_len=16, block_n=16, new_token=token)
 
-        # the same fp32 products, rounded once (the interpreter rounds to nearest even, tests/ops/conftest.py);
+        # the same fp32 products, rounded once (the interpreter rounds to nearest even, tests/conftest.py);
         # a GPU may contract the rotation's product and sum into one FMA: fp32 keys then differ in the last bits
         assert torch.equal(v, v_want)
         if DEV == "cpu" or dtype != torch.float32:
@@ -325,7 +323,7 @@ def test_new_token_arguments_are_named_before_any_compute():
     q, k, v, valid, token, _, _ = _new_token_problem("qwen2", 2, 3, 16, 37, torch.float32, seed=2)
     nf = torch.tensor([5], device=DEV)
     one_segment = (torch.zeros(1, dtype=torch.int32, device=DEV), torch.full((1,), ROWS, dtype=torch.int32, device=DEV))
-    prefix = da.SharedPrefix(nf, *one_segment, torch.tensor([ROWS], device=DEV), ROWS)
+    prefix = SharedPrefix(nf, *one_segment, torch.tensor([ROWS], device=DEV), ROWS)
     with pytest.raises(ValueError, match="new_token with shared_prefix is not supported"):
         decode_attention(q, k, v, valid, nf, new_token=token, shared_prefix=prefix)
     with pytest.raises(ValueError, match=r"new_token.cos must be contiguous float32 \(3, 16\)"):
@@ -360,15 +358,15 @@ def test_bad_arguments_are_named_before_any_compute(change, match):
 
 def test_default_split_length_grows_with_rows_from_its_floor():
     for length in (1024, 1536, 3584, 32768):
-        splits = [da.default_split_len(rows, 2, length) for rows in (8, 16, 64, 256)]
+        splits = [da_plan.default_split_len(rows, 2, length) for rows in (8, 16, 64, 256)]
         assert splits == sorted(splits)  # more rows: longer (or as long) splits, fewer partials to merge
-        assert all(da.MIN_SPLIT <= s <= da.MAX_SPLIT and s & (s - 1) == 0 for s in splits)
+        assert all(da_plan.MIN_SPLIT <= s <= da_plan.MAX_SPLIT and s & (s - 1) == 0 for s in splits)
         # few rows over a cache as long as those measured stop at the floor (a shorter split costs
         # more in the merge than it spreads)
-        assert splits[0] == da.MIN_SPLIT or length > 4096
+        assert splits[0] == da_plan.MIN_SPLIT or length > 4096
         # many rows aim at PROGRAMS_PER_SM programs per SM of an H200, within a factor of two
         programs = 256 * 2 * -(-length // splits[-1])
-        assert splits[-1] == da.MAX_SPLIT or programs <= 2 * da.PROGRAMS_PER_SM * 132 * 2
+        assert splits[-1] == da_plan.MAX_SPLIT or programs <= 2 * da_plan.PROGRAMS_PER_SM * 132 * 2
 
 
 def test_a_shared_prompt_splits_the_rows_own_columns_finer():
@@ -378,14 +376,14 @@ def test_a_shared_prompt_splits_the_rows_own_columns_finer():
     at two K/V heads (Qwen2.5-0.5B/1.5B) and 512 at four (7B)."""
     cpu = torch.device("cpu")
     for rows, hkv, length in itertools.product((16, 32, 64, 128), (2, 4), (640, 1536, 4096)):
-        launch = da.resolve_launch(rows, hkv, length, cpu, shared_prompt=True)
+        launch = da_plan.resolve_launch(rows, hkv, length, cpu, shared_prompt=True)
         shared = launch.split_len
         assert launch.max_split_len == shared  # a fixed split, not chosen from the fill
-        assert shared <= da.launch_split_len(rows, hkv, length, da.BLOCK_N, cpu)  # the rule at one program per SM
+        assert shared <= da_plan.launch_split_len(rows, hkv, length, da_plan.BLOCK_N, cpu)  # the rule at one program per SM
         programs = rows * hkv * -(-length // shared)
-        assert shared in (da.MIN_SPLIT, da.MAX_SPLIT) or programs <= 2 * da.SHARED_PROGRAMS_PER_SM * 132
-    assert da.resolve_launch(64, 2, 1536, cpu, shared_prompt=True)[0] == 256
-    assert da.resolve_launch(64, 4, 1536, cpu, shared_prompt=True)[0] == 512
+        assert shared in (da_plan.MIN_SPLIT, da_plan.MAX_SPLIT) or programs <= 2 * da_plan.SHARED_PROGRAMS_PER_SM * 132
+    assert da_plan.resolve_launch(64, 2, 1536, cpu, shared_prompt=True)[0] == 256
+    assert da_plan.resolve_launch(64, 4, 1536, cpu, shared_prompt=True)[0] == 512
 
 
 def test_the_split_chosen_from_the_fill_is_the_shortest_within_both_bounds():
@@ -393,21 +391,21 @@ def test_the_split_chosen_from_the_fill_is_the_shortest_within_both_bounds():
     whose non-empty splits fit FILL_PROGRAMS_PER_SM per SM over the pairs and FILL_MAX_ROW_SPLITS per
     pair, else the longest; it never shortens as the fill or the pairs grow."""
     sms = 132
-    budget = da.FILL_PROGRAMS_PER_SM * sms
+    budget = da_plan.FILL_PROGRAMS_PER_SM * sms
     for pairs, columns in itertools.product((2, 16, 32, 64, 128, 256, 512), range(1, 8193, 37)):
-        got = da.fill_split_len(columns, pairs, sms)
+        got = da_plan.fill_split_len(columns, pairs, sms)
         fits = [s for s in (128, 256, 512)
-                if pairs * -(-columns // s) <= budget and -(-columns // s) <= da.FILL_MAX_ROW_SPLITS]
+                if pairs * -(-columns // s) <= budget and -(-columns // s) <= da_plan.FILL_MAX_ROW_SPLITS]
         assert got == (fits[0] if fits else 512), (pairs, columns, got)
-        assert got <= da.fill_split_len(columns + 37, pairs, sms) and got <= da.fill_split_len(columns, 2 * pairs, sms)
+        assert got <= da_plan.fill_split_len(columns + 37, pairs, sms) and got <= da_plan.fill_split_len(columns, 2 * pairs, sms)
     # the H200 operating points of FILL_MIN_SPLIT's comment: the best fixed split measured at each
-    assert [da.fill_split_len(n, 64 * 2) for n in (192, 384)] == [128, 128]
-    assert [da.fill_split_len(n, 64 * 4) for n in (192, 384, 640)] == [256, 512, 512]
-    assert [da.fill_split_len(n, 16 * 2) for n in (1024, 3584)] == [128, 512]
-    assert [da.fill_split_len(n, 16 * 4) for n in (1024, 3584)] == [256, 512]
-    assert [da.fill_split_len(n, 8 * 2) for n in (1024, 2048, 3584)] == [128, 256, 256]
-    assert [da.fill_split_len(n, 8 * 4) for n in (1024, 2048, 3584)] == [128, 256, 512]
-    launch = da.resolve_launch(64, 2, 640, torch.device("cpu"))
+    assert [da_plan.fill_split_len(n, 64 * 2) for n in (192, 384)] == [128, 128]
+    assert [da_plan.fill_split_len(n, 64 * 4) for n in (192, 384, 640)] == [256, 512, 512]
+    assert [da_plan.fill_split_len(n, 16 * 2) for n in (1024, 3584)] == [128, 512]
+    assert [da_plan.fill_split_len(n, 16 * 4) for n in (1024, 3584)] == [256, 512]
+    assert [da_plan.fill_split_len(n, 8 * 2) for n in (1024, 2048, 3584)] == [128, 256, 256]
+    assert [da_plan.fill_split_len(n, 8 * 4) for n in (1024, 2048, 3584)] == [128, 256, 512]
+    launch = da_plan.resolve_launch(64, 2, 640, torch.device("cpu"))
     assert (launch.split_len, launch.max_split_len, launch.fill_steps) == (128, 512, 2)
 
 
@@ -417,18 +415,18 @@ def test_the_split_chosen_on_the_device_gives_the_fixed_splits_bits(monkeypatch,
     graph) then runs 16- to 128-column splits as the fill grows, each bit for bit as a launch
     fixed at the split fill_split_len gives, with and without a new token to write, and with the
     per-row bound binding instead of the programs' budget."""
-    monkeypatch.setattr(da, "MERGE_IN_PARTIAL", merge)
-    monkeypatch.setattr(da, "FILL_MIN_SPLIT", 16)
-    monkeypatch.setattr(da, "sm_count", lambda device: 1)
+    monkeypatch.setattr(da_op, "MERGE_IN_PARTIAL", merge)
+    monkeypatch.setattr(da_plan, "FILL_MIN_SPLIT", 16)
+    monkeypatch.setattr(da_plan, "sm_count", lambda device: 1)
     q, k, v, valid = _problem(2, 3, 16, 130, torch.float32, seed=8)
     pairs = ROWS * 2
     chosen = []
     for programs, row_splits in ((3 * pairs, 8), (10_000, 2)):  # the budget binds, then the per-row bound
-        monkeypatch.setattr(da, "FILL_PROGRAMS_PER_SM", programs)
-        monkeypatch.setattr(da, "FILL_MAX_ROW_SPLITS", row_splits)
+        monkeypatch.setattr(da_plan, "FILL_PROGRAMS_PER_SM", programs)
+        monkeypatch.setattr(da_plan, "FILL_MAX_ROW_SPLITS", row_splits)
         for n in (5, 48, 49, 96, 97, 130):
             nf = torch.tensor([n], device=DEV)
-            split = da.fill_split_len(n, pairs, 1, 16, da.MAX_SPLIT)
+            split = da_plan.fill_split_len(n, pairs, 1, 16, da_plan.MAX_SPLIT)
             chosen.append(split)
             out = decode_attention(q, k, v, valid, nf, block_n=16)
             fixed = decode_attention(q, k, v, valid, nf, split_len=split, block_n=16)
@@ -440,17 +438,17 @@ def test_the_split_chosen_on_the_device_gives_the_fixed_splits_bits(monkeypatch,
         qn, kn, vn, valid_n, token, _, _ = _new_token_problem("qwen2", 2, 3, 16, 70, torch.float32, seed=n)
         k_fixed, v_fixed = kn.clone(), vn.clone()
         nf = torch.tensor([n], device=DEV)
-        split = da.fill_split_len(n, pairs, 1, 16, da.MAX_SPLIT)
+        split = da_plan.fill_split_len(n, pairs, 1, 16, da_plan.MAX_SPLIT)
         out = decode_attention(qn, kn, vn, valid_n, nf, block_n=16, new_token=token)
         fixed = decode_attention(qn, k_fixed, v_fixed, valid_n, nf, split_len=split, block_n=16, new_token=token)
         assert torch.equal(out, fixed) and torch.equal(kn, k_fixed) and torch.equal(vn, v_fixed), (n, split)
 
 
 _COMPILE_FOR_H200 = """
-import importlib, triton
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-da = importlib.import_module("logitless.generation.kernels.decode_attention")
+from logitless.generation.kernels.decode_attention import kernels as da_kernels, plan as da_plan
 # the programmatic-launch build (gdc_wait, launch_pdl) is what an H200 runs; the plain one other GPUs
 for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("fp16", 128, 6, False),
                                ("fp32", 64, 3, False)):
@@ -465,16 +463,18 @@ for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("
         # the partial kernel with the merge of the row's last program inside (the default launch),
         # without a shared prefix also with a new token to rotate and write (both pairings)
         # without a prefix the split is chosen from the fill (the default launch)
-        fill = dict(FILL_STEPS=0 if prefix else 2, MAX_ROW_SPLITS=da.FILL_MAX_ROW_SPLITS)
-        partial = dict(BLOCK_N=da.BLOCK_N, WIDE_DOT=wide, MERGE=True, ROTARY=False, INTERLEAVED=False, **fill)
-        kernels = [(da.decode_partial_kernel, partial, da.NUM_WARPS), (da.decode_merge_kernel, fill, 4)]
+        fill = dict(FILL_STEPS=0 if prefix else 2, MAX_ROW_SPLITS=da_plan.FILL_MAX_ROW_SPLITS)
+        partial = dict(BLOCK_N=da_plan.BLOCK_N, WIDE_DOT=wide, MERGE=True, ROTARY=False, INTERLEAVED=False, **fill)
+        kernels = [(da_kernels.decode_partial_kernel, partial, da_plan.NUM_WARPS),
+                   (da_kernels.decode_merge_kernel, fill, 4)]
         if not prefix:
-            kernels += [(da.decode_partial_kernel, dict(partial, ROTARY=True, INTERLEAVED=pair), da.NUM_WARPS)
-                        for pair in (False, True)]
+            kernels += [(da_kernels.decode_partial_kernel, dict(partial, ROTARY=True, INTERLEAVED=pair),
+                         da_plan.NUM_WARPS) for pair in (False, True)]
         if prefix:
-            m_pad = triton.next_power_of_2(da.MAX_PREFIX_QUERIES // group * group)
-            kernels.append((da.decode_prefix_kernel, dict(M_PAD=m_pad, SPLIT_LEN=128, BLOCK_N=da.PREFIX_BLOCK_N,
-                                                          WIDE_DOT=wide), da.PREFIX_NUM_WARPS))
+            m_pad = triton.next_power_of_2(da_plan.MAX_PREFIX_QUERIES // group * group)
+            kernels.append((da_kernels.decode_prefix_kernel, dict(M_PAD=m_pad, SPLIT_LEN=128,
+                                                                  BLOCK_N=da_plan.PREFIX_BLOCK_N, WIDE_DOT=wide),
+                            da_plan.PREFIX_NUM_WARPS))
         for kernel, extra, warps in kernels:
             constexprs = {k: v for k, v in {**shapes, **extra}.items() if k in kernel.arg_names}
             signature = {name: "constexpr" if name in constexprs else
@@ -482,7 +482,7 @@ for dtype, dim, group, pdl in (("bf16", 128, 7, True), ("bf16", 64, 7, True), ("
                          "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                       target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": da.NUM_STAGES, "launch_pdl": pdl})
+                                      options={"num_warps": warps, "num_stages": da_plan.NUM_STAGES, "launch_pdl": pdl})
             assert compiled.asm["cubin"], (kernel.__name__, dtype, dim, group)
             assert compiled.metadata.shared <= 227 * 1024, (kernel.__name__, compiled.metadata.shared)
 print("compiled")

@@ -96,7 +96,7 @@ def test_reference_gives_the_kernels_values(kind):
 def test_rotation_coefficients_rotate_as_the_module_at_least_as_well_as_eager(kind, dtype):
     """x cos + x_partner sin with the per-row coefficients (the attention kernel's rotation of a
     NewToken) against the module's rotation in float64."""
-    from logitless.generation.kernels.decode_attention import _rotate_reference
+    from logitless.generation.kernels.decode_attention.reference import _rotate_reference
 
     d = 12
     module = MODULES[kind](d).to(DEVICE)

@@ -44,7 +44,8 @@ from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalE
 from torchtune.modules import RotaryPositionalEmbeddings
 
 from logitless._platform import triton_interpreting
-from logitless.generation.kernels.decode_attention import NewToken, supports_programmatic_launch, write_new_token_reference
+from logitless.generation.kernels.decode_attention.plan import supports_programmatic_launch
+from logitless.generation.kernels.decode_attention.reference import NewToken, write_new_token_reference
 
 __all__ = ["RotaryTable", "decode_rotary_cache", "decode_rotary_cache_reference", "rotary_table",
            "rotation_coefficients"]
