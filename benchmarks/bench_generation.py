@@ -40,6 +40,7 @@ Example (H200):
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import gc
 import inspect
@@ -176,7 +177,12 @@ def make_samplers(names, compile, cache_len, options=None, attentions=("sdpa",))
     """
     from logitless.generation import CompiledSampler, generate
 
-    accepted = inspect.signature(CompiledSampler).parameters
+    try:  # the options a CompiledSampler takes (an older checkout: its keyword arguments)
+        from logitless.generation import CompiledSamplerConfig
+
+        accepted = {f.name for f in dataclasses.fields(CompiledSamplerConfig)}
+    except ImportError:
+        accepted = inspect.signature(CompiledSampler).parameters
     # what reproduces the sampler before compaction and in-graph draws, where this version has them
     baseline = {k: v for k, v in dict(compaction=False, draws="generator", attention_window=None).items()
                 if k in accepted}

@@ -302,7 +302,7 @@ def test_auto_decode_attention_is_split_k_on_cuda_only():
     """The default picks the split-K kernel on CUDA (where it was measured faster than SDPA) and SDPA
     elsewhere or where the grouped decode step (the kernel's only caller) is off."""
     auto = CompiledSampler()
-    assert auto.decode_attention == "auto"
+    assert auto.config.decode_attention == "auto"
     assert auto.uses_split_k(torch.device("cuda")) and not auto.uses_split_k(torch.device("cpu"))
     assert not CompiledSampler(grouped_attention=False).uses_split_k(torch.device("cuda"))
     assert not CompiledSampler(decode_attention="sdpa").uses_split_k(torch.device("cuda"))

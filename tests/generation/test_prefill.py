@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 from torchtune.models.qwen2._component_builders import qwen2
 from torchtune.modules.common_utils import local_kv_cache
 
-from logitless.generation import CompiledSampler, build_sampler
+from logitless.generation import CompiledSampler, SamplerConfig, build_sampler
 from logitless.generation.eager import generate as eager_generate
 from logitless.generation.prefill import causal_key_mask, prefill, prefill_chunk_columns
 from logitless.generation.result import left_pad
@@ -192,15 +192,18 @@ def test_bad_prefill_chunk_tokens_name_the_argument_and_the_yaml_key(value):
         eager_generate(tiny(), PROMPTS, max_new_tokens=2, stop_tokens=[0], pad_id=0, prefill_chunk_tokens=value)
     for backend in ("eager", "compiled"):
         with pytest.raises(ValueError, match=rf"generation\.prefill_chunk_tokens must be .*got {value!r}"):
-            build_sampler({"backend": backend, "prefill_chunk_tokens": value}, torch.device("cpu"))
+            build_sampler(SamplerConfig.from_config({"max_new_tokens": 2, "backend": backend,
+                                                     "prefill_chunk_tokens": value}), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("value", [None, 24])
 def test_prefill_chunk_tokens_passes_through_from_yaml_to_both_samplers(value):
-    train, evaluation = build_sampler({"backend": "compiled", "compile": False, "prefill_chunk_tokens": value},
+    train, evaluation = build_sampler(SamplerConfig.from_config({"max_new_tokens": 2, "backend": "compiled",
+                                                                 "compile": False, "prefill_chunk_tokens": value}),
                                       torch.device("cpu"))
     assert train.prefill_chunk_tokens == evaluation.prefill_chunk_tokens == value
-    eager, _ = build_sampler({"backend": "eager", "prefill_chunk_tokens": value}, torch.device("cpu"))
+    eager, _ = build_sampler(SamplerConfig.from_config({"max_new_tokens": 2, "backend": "eager",
+                                                        "prefill_chunk_tokens": value}), torch.device("cpu"))
     model = tiny(dtype=torch.float32)
     seen = shapes_through_embedding(model)
     eager(model, PROMPTS, max_new_tokens=1, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)

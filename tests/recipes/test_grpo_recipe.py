@@ -219,8 +219,8 @@ def test_generation_decode_attention_is_checked_from_yaml():
             "generation.backend=compiled", *overrides]))
 
     assert validate_grpo_config(qwen("generation.decode_attention=split_k")).generation.decode_attention == "split_k"
-    with pytest.raises(ConfigError, match="config key 'generation': decode_attention must be one of "
-                                          "\\('auto', 'sdpa', 'split_k'\\), got 'flash'"):
+    with pytest.raises(ConfigError, match="config key 'generation.decode_attention': decode_attention must be one "
+                                          "of \\('auto', 'sdpa', 'split_k'\\), got 'flash'"):
         validate_grpo_config(qwen("generation.decode_attention=flash"))
     with pytest.raises(ConfigError, match="config key 'generation.decode_linear': unknown"):  # an experiment now
         validate_grpo_config(qwen("generation.decode_linear=triton"))

@@ -43,11 +43,12 @@ step is :mod:`logitless.generation.decode_step`, the buffers, buckets and compac
 
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from logitless.generation.config import CompiledSamplerConfig
 from logitless.generation.decode_cache import (DecodeBuffers, attach, attention_modules, detach, new_caches,
                                                replicate_prompts)
 from logitless.generation.decode_step import (decode_step, groupable, kernel_draw, record, register_counter_draw,
@@ -59,10 +60,9 @@ from logitless.generation.sampling import (RandomSource, check_random_source, ch
                                            sample_next)
 from logitless.generation.trunk import decoding_layer
 
-__all__ = ["CompiledSampler", "DECODE_ATTENTION", "generate"]
+__all__ = ["CompiledSampler", "SHARED_PROMPT_MIN_ELEMENTS", "SHARED_PROMPT_MIN_ROWS", "SHARED_PROMPT_MIN_WIDTH",
+           "generate"]
 
-#: The grouped decode step's attention implementations (``CompiledSampler(decode_attention=...)``).
-DECODE_ATTENTION = ("auto", "sdpa", "split_k")
 #: Where ``shared_prompt_decode=None`` reads each group's prompt once: prompts of at least
 #: ``SHARED_PROMPT_MIN_WIDTH`` columns whose K/V elements per row and layer (columns x K/V heads x
 #: head_dim) reach ``SHARED_PROMPT_MIN_ELEMENTS``, in buckets of at least ``SHARED_PROMPT_MIN_ROWS``
@@ -86,12 +86,6 @@ def _check_args(max_new_tokens, num_generations, stop_tokens, temperature, top_k
 
 
 
-def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be {'None or ' if optional else ''}an int >= {minimum}, got {value!r}")
-
 class CompiledSampler:
     """Sampler with shared-prompt prefill, static KV caches and a compiled decode step.
 
@@ -100,78 +94,20 @@ class CompiledSampler:
     compiled code and the captured CUDA graph (new buffer addresses would force a re-capture).
 
     Args:
-        compile (Optional[bool]): compile the decode step; None = on CUDA only.
-        backend (Union[str, Callable]): ``torch.compile`` backend ("inductor"; "eager"/"aot_eager"
-            for CPU tests).
-        mode (Optional[str]): ``torch.compile`` mode; None = "reduce-overhead" (CUDA graphs) on CUDA
-            with inductor, else the default mode.
-        sync_every (int): steps between "all rows finished?" checks (the loop's only host syncs).
-        cache_len_multiple (int): the cache length is the prompt width + ``max_new_tokens`` rounded up
-            to this, so calls with similar prompt widths share one compiled graph.
-        max_cache_len (Optional[int]): fixed cache length for every call (one graph for a whole run;
-            set it to the longest prompt + ``max_new_tokens``); overrides ``cache_len_multiple``.
-        keep_cache (Optional[bool]): keep the cache and step buffers between calls (detached from
-            the model); None = whenever the step is compiled. ``release()`` frees them.
-        grouped_attention (bool): decode with grouped-query attention that reads each K/V head
-            once (default); False runs torchtune's layers as they are (K/V copied per query head).
-        draws (str): ``"counter"`` (default): tokens are drawn inside the decode step from a
-            counter-based stream keyed by (row key, step, token) (:func:`~logitless.generation.sampling.sample_counter`;
-            the row keys come from ``generator``), so sampling is part of the captured graph and a
-            row's tokens do not depend on the rest of the batch; ``"generator"``: drawn eagerly
-            with ``torch.multinomial`` from ``generator`` after each step (the eager sampler's draws).
-        compaction (bool): when rows finish, move the live ones into the next smaller batch bucket
-            (halving down to ``min_bucket``) so finished rows stop costing decode steps; needs
-            ``draws="counter"`` and layers the grouped decode step can run (else off).
-        min_bucket (int): the smallest bucket compaction moves rows into.
-        graph_sampling (bool): with counter draws, sample inside the compiled step (default);
-            False samples the same draws eagerly after it.
-        attention_window (Optional[int]): decode attention reads the cache up to the filled column
-            rounded up to a multiple of this (one CUDA graph per window size), not the whole cache;
-            None reads the whole cache at every step. Needs the grouped decode step.
-        fused_projections (Union[bool, str]): the grouped decode step computes q/k/v with one GEMM
-            and the MLP's gate/up with another (:class:`~logitless.generation.fused.FusedProjections`;
-            plain ``nn.Linear`` projections only, LoRA ones stay separate), about 12% faster decode
-            steps at 1.5B. ``"shared"``: the concatenated weights are the model's own: its q/k/v and
-            gate/up parameters are re-pointed at row slices of them on the first call (the same
-            ``nn.Parameter`` objects, which the optimizer keeps updating), so nothing is copied or
-            held twice, and a parameter replaced since is copied back in at the next call. ``True``: a
-            copy refreshed from the model at the start of every call, held (about half the model)
-            for as long as the cache buffers are kept, i.e. through the update too. ``False``
-            (default): separate GEMMs.
+        config (Optional[CompiledSamplerConfig]): the options (what each one does:
+            :class:`~logitless.generation.config.CompiledSamplerConfig`); None = made from ``options``.
         prefill_chunk_tokens (Optional[int]): at most this many tokens (distinct prompts x prompt
             columns) per prefill forward: long prompts are prefilled in chunks of columns within a
             memory bound (:func:`~logitless.generation.prefill.prefill`); default
             :data:`~logitless.generation.prefill.DEFAULT_PREFILL_CHUNK_TOKENS` (8192: smaller
             prompt batches keep one forward); None = one forward whatever the width.
-        decode_attention (str): the grouped decode step's attention. ``"split_k"``: the split-K
-            Triton kernel (:func:`logitless.generation.kernels.decode_attention`) whose programs cover the
-            cache in fixed splits and read only the filled columns (a count on the device), so its
-            work follows the filled length and the rows of a compacted bucket, and one CUDA graph
-            per bucket serves every step (``attention_window`` is not used). Off CUDA it runs plain
-            PyTorch unless ``TRITON_INTERPRET=1``. ``"sdpa"``: ``F.scaled_dot_product_attention``
-            over the window of ``attention_window``. ``"auto"`` (default): ``"split_k"`` on CUDA
-            with ``grouped_attention``, else ``"sdpa"`` (on an H200 the kernel took 0.33-0.73x the
-            windowed SDPA's time per layer, ``benchmarks/results/decode_attention_h200.csv``, and the
-            1.5B decode step 0.84-0.91x, ``generation_roofline_h200.csv``).
-        programmatic_launch (Optional[bool]): launch the compiled step's kernels (inductor's, with
-            its ``triton.enable_pdl``, and the split-K attention's) as programmatic dependent
-            launches: each kernel may be scheduled while the one before it finishes and waits for it
-            before reading, which hides most of the gap between the step's few hundred small
-            kernels. None (default) = where supported (a CUDA GPU of compute capability 9.0 or later,
-            the inductor backend, a torch whose inductor has the option); True where it is not is an
-            error. Same results either way.
-        shared_prompt_decode (Optional[bool]): with the split-K decode attention, read each group's
-            prompt columns once per step for all of its G rows (one program per prompt split whose
-            query operand is every query head of the group's rows,
-            :class:`~logitless.generation.kernels.decode_attention.SharedPrefix`), instead of once per row:
-            the cache bytes a step reads fall by about ``(G - 1) / G`` of the prompt's share. It
-            follows compaction (a group's live rows stay consecutive). None (default) = where it
-            measured faster: ``num_generations > 1``, a prompt of at least
-            :data:`SHARED_PROMPT_MIN_WIDTH` columns and :data:`SHARED_PROMPT_MIN_ELEMENTS` K/V elements
-            per row and layer (columns x K/V heads x head_dim: 1024 columns at Qwen2.5-0.5B, 512 at
-            1.5B, 256 at 7B) and, per batch bucket, at least :data:`SHARED_PROMPT_MIN_ROWS` rows.
-            True: whenever ``num_generations > 1``; True without the split-K attention is an error. Same results
-            either way.
+        **options: the fields of a :class:`~logitless.generation.config.CompiledSamplerConfig`, when no
+            ``config`` is given (``CompiledSampler(compile=False, sync_every=4)``).
+
+    Raises:
+        OptionError: an option with a bad value, naming it.
+        TypeError: both ``config`` and ``options``.
+
     Example:
         >>> from logitless.models import qwen2_5_tiny
         >>> sampler = CompiledSampler(compile=False)
@@ -181,78 +117,34 @@ class CompiledSampler:
         4
     """
 
-    def __init__(self, *, compile: Optional[bool] = None, backend: Union[str, Callable] = "inductor",
-                 mode: Optional[str] = None, sync_every: int = 16, cache_len_multiple: int = 256,
-                 max_cache_len: Optional[int] = None, keep_cache: Optional[bool] = None,
-                 grouped_attention: bool = True, draws: str = "counter", compaction: bool = True,
-                 min_bucket: int = 8, attention_window: Optional[int] = 256,
-                 graph_sampling: bool = True, fused_projections: Union[bool, str] = False,
-                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 decode_attention: str = "auto", programmatic_launch: Optional[bool] = None,
-                 shared_prompt_decode: Optional[bool] = None) -> None:
-        if compile is not None and not isinstance(compile, bool):
-            raise ValueError(f"compile must be None, True or False, got {compile!r}")
-        if not (callable(backend) or (isinstance(backend, str) and backend)):
-            raise ValueError(f"backend must be a torch.compile backend (name or callable), got {backend!r}")
-        if draws not in ("counter", "generator"):
-            raise ValueError(f"draws must be 'counter' or 'generator', got {draws!r}")
-        if programmatic_launch is not None and not isinstance(programmatic_launch, bool):
-            raise ValueError(f"programmatic_launch must be None, True or False, got {programmatic_launch!r}")
-        if shared_prompt_decode is not None and not isinstance(shared_prompt_decode, bool):
-            raise ValueError(f"shared_prompt_decode must be None, True or False, got {shared_prompt_decode!r}")
-        if shared_prompt_decode and (decode_attention == "sdpa" or not grouped_attention):
-            raise ValueError(f"shared_prompt_decode=True needs the split-K decode attention (decode_attention='split_k' "
-                             f"or 'auto', grouped_attention=True); got decode_attention={decode_attention!r}, "
-                             f"grouped_attention={grouped_attention!r}")
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
-        if decode_attention == "split_k" and grouped_attention is False:
-            raise ValueError("decode_attention='split_k' needs grouped_attention=True (the grouped decode step is "
-                             "where it runs); got grouped_attention=False")
-        if decode_attention == "split_k":
-            register_decode_attention()
-        _check_int("sync_every", sync_every, 1)
-        _check_int("cache_len_multiple", cache_len_multiple, 1)
-        _check_int("max_cache_len", max_cache_len, 2, optional=True)
-        _check_int("min_bucket", min_bucket, 2)
-        _check_int("attention_window", attention_window, 1, optional=True)
+    def __init__(self, config: Optional[CompiledSamplerConfig] = None, *,
+                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS, **options) -> None:
+        if config is not None and options:
+            raise TypeError(f"CompiledSampler: give a config or its options, not both (got a config and "
+                            f"{sorted(options)})")
+        if config is not None and not isinstance(config, CompiledSamplerConfig):
+            raise TypeError(f"CompiledSampler: config must be a CompiledSamplerConfig, got {type(config).__name__}")
+        self.config = config if config is not None else CompiledSamplerConfig(**options)
         check_prefill_chunk_tokens(prefill_chunk_tokens)
-        for name, flag in (("grouped_attention", grouped_attention), ("compaction", compaction),
-                           ("graph_sampling", graph_sampling)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        if not (isinstance(fused_projections, bool) or fused_projections == "shared"):
-            raise ValueError(f"fused_projections must be True, False or 'shared', got {fused_projections!r}")
-        self.compile, self.backend, self.mode = compile, backend, mode
-        self.sync_every, self.cache_len_multiple, self.max_cache_len = sync_every, cache_len_multiple, max_cache_len
-        self.keep_cache = keep_cache
-        self.grouped_attention = grouped_attention
-        self.attention_window = attention_window
-        self.draws = draws
-        self.graph_sampling = graph_sampling
-        self.fused_projections = fused_projections
-        self.decode_attention = decode_attention
-        self.programmatic_launch = programmatic_launch
-        self.shared_prompt_decode = shared_prompt_decode
-        self.compaction = compaction
-        self.min_bucket = min_bucket
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if self.config.decode_attention == "split_k":
+            register_decode_attention()
         self._compiled = None
         self._state: Optional[DecodeBuffers] = None
 
     # ----------------------------------------------------------------------------------------- setup
     def _use_compile(self, device: torch.device) -> bool:
-        return device.type == "cuda" if self.compile is None else self.compile
+        return device.type == "cuda" if self.config.compile is None else self.config.compile
 
     def uses_split_k(self, device: torch.device) -> bool:
         """Whether the grouped decode step on ``device`` attends through the split-K kernel
         (``decode_attention``: ``"split_k"``, or ``"auto"`` on CUDA with ``grouped_attention``)."""
-        if self.decode_attention == "auto":
-            if device.type != "cuda" or not self.grouped_attention:
+        if self.config.decode_attention == "auto":
+            if device.type != "cuda" or not self.config.grouped_attention:
                 return False
             register_decode_attention()
             return True
-        return self.decode_attention == "split_k"
+        return self.config.decode_attention == "split_k"
 
     def uses_shared_prompt(self, model: nn.Module, device: torch.device, num_generations: int, width: int) -> bool:
         """Whether the decode steps of a call on ``device`` read each group's prompt columns once, in
@@ -262,17 +154,17 @@ class CompiledSampler:
         Raises:
             ValueError: ``shared_prompt_decode=True`` where the split-K attention does not run.
         """
-        if self.shared_prompt_decode is False:
+        if self.config.shared_prompt_decode is False:
             return False
         split_k = self.uses_split_k(device)
-        if self.shared_prompt_decode and not split_k:
+        if self.config.shared_prompt_decode and not split_k:
             raise ValueError(f"shared_prompt_decode=True needs the split-K decode attention, which decode_attention="
-                             f"{self.decode_attention!r} does not run on {device} (use 'split_k')")
+                             f"{self.config.decode_attention!r} does not run on {device} (use 'split_k')")
         if not (split_k and num_generations > 1):
             return False
         attn = attention_modules(model)[0]
         elements = width * attn.num_kv_heads * attn.head_dim  # one row's prompt keys (or values) in a layer
-        return bool(self.shared_prompt_decode) or (width >= SHARED_PROMPT_MIN_WIDTH
+        return bool(self.config.shared_prompt_decode) or (width >= SHARED_PROMPT_MIN_WIDTH
                                                    and elements >= SHARED_PROMPT_MIN_ELEMENTS)
 
     def uses_programmatic_launch(self, device: torch.device) -> bool:
@@ -284,23 +176,23 @@ class CompiledSampler:
         """
         from logitless.generation.kernels.decode_attention.plan import supports_programmatic_launch
 
-        if self.programmatic_launch is False:
+        if self.config.programmatic_launch is False:
             return False
         compiled = self._use_compile(device)
-        inductor = self.backend == "inductor" and hasattr(torch._inductor.config.triton, "enable_pdl")
+        inductor = self.config.backend == "inductor" and hasattr(torch._inductor.config.triton, "enable_pdl")
         supported = supports_programmatic_launch(device) and (inductor or not compiled)
-        if self.programmatic_launch and not supported:
+        if self.config.programmatic_launch and not supported:
             raise ValueError(f"programmatic_launch=True needs a CUDA GPU of compute capability 9.0 or later and, "
                              f"when the step is compiled, the inductor backend of a torch with "
                              f"torch._inductor.config.triton.enable_pdl; got {device}, compile={compiled}, "
-                             f"backend={self.backend!r}")
+                             f"backend={self.config.backend!r}")
         return supported
 
     def _compile_options(self, device: torch.device) -> Tuple[Optional[str], Optional[Dict[str, object]]]:
         """``(mode, options)`` for ``torch.compile``: ``mode`` (None: "reduce-overhead", i.e. CUDA
         graphs, on CUDA with inductor), given as inductor options when programmatic launches are added."""
-        mode = self.mode
-        if mode is None and device.type == "cuda" and self.backend == "inductor":
+        mode = self.config.mode
+        if mode is None and device.type == "cuda" and self.config.backend == "inductor":
             mode = "reduce-overhead"
         if not self.uses_programmatic_launch(device):
             return mode, None
@@ -318,18 +210,18 @@ class CompiledSampler:
             # (tests/generation/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
-            self._compiled = torch.compile(decode_step, backend=self.backend, mode=mode, options=options,
-                                           dynamic=None if self.compaction or self.attention_window else False)
+            self._compiled = torch.compile(decode_step, backend=self.config.backend, mode=mode, options=options,
+                                           dynamic=None if self.config.compaction or self.config.attention_window else False)
         return self._compiled
 
     def _cache_len(self, width: int, max_new_tokens: int) -> int:
         need = width + max_new_tokens
-        if self.max_cache_len is not None:
-            if need > self.max_cache_len:
+        if self.config.max_cache_len is not None:
+            if need > self.config.max_cache_len:
                 raise ValueError(f"max_new_tokens: prompt width {width} + max_new_tokens {max_new_tokens} "
-                                 f"exceeds max_cache_len={self.max_cache_len}")
-            return self.max_cache_len
-        m = self.cache_len_multiple
+                                 f"exceeds max_cache_len={self.config.max_cache_len}")
+            return self.config.max_cache_len
+        m = self.config.cache_len_multiple
         return -(-need // m) * m
 
     def _buffers(self, attns, rows: int, length: int, dtype, device, weight: torch.Tensor) -> DecodeBuffers:
@@ -338,30 +230,30 @@ class CompiledSampler:
                                                                                weight):
             return self._state
         self._state = None  # drop the old buffers before allocating new ones
-        self._state = DecodeBuffers(attns, rows, length, dtype, device, weight, dynamic_rows=self.compaction)
+        self._state = DecodeBuffers(attns, rows, length, dtype, device, weight, dynamic_rows=self.config.compaction)
         return self._state
 
     def _grouped_everywhere(self, model: nn.Module) -> bool:
         """Every layer runs the grouped decode step, which can read any window of any bucket."""
-        return self.grouped_attention and all(groupable(decoding_layer(layer)) for layer in model.layers)
+        return self.config.grouped_attention and all(groupable(decoding_layer(layer)) for layer in model.layers)
 
     def _sizes(self, rows: int, grouped: bool) -> List[int]:
         """The batch buckets, largest first: ``rows`` alone, or halving down to ``min_bucket``."""
         sizes = [rows]
-        if not (self.compaction and self.draws == "counter" and grouped):
+        if not (self.config.compaction and self.config.draws == "counter" and grouped):
             return sizes
-        while sizes[-1] > self.min_bucket and -(-sizes[-1] // 2) >= self.min_bucket:
+        while sizes[-1] > self.config.min_bucket and -(-sizes[-1] // 2) >= self.config.min_bucket:
             sizes.append(-(-sizes[-1] // 2))
         return sizes
 
     def _fused(self, state, model: nn.Module, grouped: bool) -> Optional[List[Dict]]:
         """Each layer's concatenated projections, refreshed from the model's current weights; None
         when fusion is off or the layers do not run the grouped decode step."""
-        if not (self.fused_projections and grouped):
+        if not (self.config.fused_projections and grouped):
             return None
         layers = [decoding_layer(layer) for layer in model.layers]
         fused = state.fused
-        share = self.fused_projections == "shared"
+        share = self.config.fused_projections == "shared"
         if fused is None or not fused.matches(layers) or fused.share != share:
             state.fused = fused = None  # drop the old copy before allocating a new one
             state.fused = fused = FusedProjections(layers, share=share)
@@ -464,7 +356,7 @@ class CompiledSampler:
                 detach(attns)
         finally:
             model.train(was_training)
-            if not (self._use_compile(device) if self.keep_cache is None else self.keep_cache):
+            if not (self._use_compile(device) if self.config.keep_cache is None else self.config.keep_cache):
                 self._state = None
         out_tokens, out_mask, out_logp, done = out
         steps = max(int(out_mask.sum(dim=1).max()), 1)  # the call's only other host sync
@@ -490,7 +382,7 @@ class CompiledSampler:
         rows, width = prompt_mask.shape
         step = self._step_fn(device)
         graphs = self._use_compile(device) and device.type == "cuda"
-        counter = self.draws == "counter"
+        counter = self.config.draws == "counter"
         if counter and kernel_draw(logits, top_k, top_p):
             register_counter_draw()  # before tracing: the step calls the op
         if self.uses_split_k(device):
@@ -498,7 +390,7 @@ class CompiledSampler:
             register_decode_attention().reserve_arrivals(device)
             register_decode_rotary()  # before tracing: the step calls the op
         grouped = self._grouped_everywhere(model)
-        fused = self._fused(state, model, self.grouped_attention)
+        fused = self._fused(state, model, self.config.grouped_attention)
         sizes = self._sizes(rows, grouped)
         shared = state.shared
         length = state.length
@@ -509,7 +401,7 @@ class CompiledSampler:
         if grouped and self.uses_shared_prompt(model, device, groups, width):
             attn = attention_modules(model)[0]
             shared_prompt = state.share_prompt(attn.num_heads // attn.num_kv_heads, rows, groups, width)
-        windowed = self.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
+        windowed = self.config.attention_window is not None and grouped and not split_k  # split-K reads the filled columns
         bucket = state.bucket(rows, views=grouped)
         # every row starts live, in its own slot; token 0 is written at t = 0
         bucket["key_valid"].fill_(True)
@@ -536,7 +428,7 @@ class CompiledSampler:
                                                 generator=generator), pad_id)
         logits = None
         for t in range(1, max_new_tokens):
-            if t % self.sync_every == 0:
+            if t % self.config.sync_every == 0:
                 live = int((~bucket["done"]).sum())
                 if live == 0:
                     break
@@ -547,12 +439,12 @@ class CompiledSampler:
                 torch.compiler.cudagraph_mark_step_begin()
             columns = None
             if windowed:  # this step writes column width + t - 1
-                columns = state.columns[:min(length, -(-(width + t) // self.attention_window) * self.attention_window)]
+                columns = state.columns[:min(length, -(-(width + t) // self.config.attention_window) * self.config.attention_window)]
                 torch._dynamo.mark_static_address(columns)
                 torch._dynamo.maybe_mark_dynamic(columns, 0)
-            in_graph = counter and self.graph_sampling
-            big = self.shared_prompt_decode or bucket["done"].shape[0] >= SHARED_PROMPT_MIN_ROWS  # else per row
-            logits = step(model, bucket, shared, weight, self.grouped_attention, draw if in_graph else None, columns,
+            in_graph = counter and self.config.graph_sampling
+            big = self.config.shared_prompt_decode or bucket["done"].shape[0] >= SHARED_PROMPT_MIN_ROWS  # else per row
+            logits = step(model, bucket, shared, weight, self.config.grouped_attention, draw if in_graph else None, columns,
                           fused, split_k, programmatic, shared_prompt if big else 0)
             if counter and not in_graph:
                 record(bucket, shared, logits, draw)
@@ -597,9 +489,9 @@ def generate(
     Args:
         model, prompts, max_new_tokens, stop_tokens, pad_id, num_generations, temperature, top_k,
         top_p, generator: as in :func:`logitless.generation.eager.generate`.
-        **options: :class:`CompiledSampler` arguments (``compile``, ``backend``, ``mode``,
-            ``sync_every``, ``cache_len_multiple``, ``max_cache_len``, ``keep_cache``,
-            ``prefill_chunk_tokens``, ``decode_attention``, ...).
+        **options: :class:`CompiledSampler` arguments: ``prefill_chunk_tokens`` and the fields of
+            :class:`~logitless.generation.config.CompiledSamplerConfig` (``compile``, ``backend``,
+            ``sync_every``, ``max_cache_len``, ``decode_attention``, ...).
 
     Returns:
         Rollout: tokens, masks, truncation flags and sampler log-probs.

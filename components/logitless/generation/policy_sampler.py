@@ -19,11 +19,12 @@ import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from logitless.rl.preflight import check_stop_tokens
-from logitless.generation import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
+from logitless.generation.builder import build_sampler, uses_rollout_copy
+from logitless.generation.config import SamplerConfig, check_stop_tokens
+from logitless.generation.result import Rollout
 from logitless.training import model as model_utils
 from logitless.training.distributed import Runtime
 from logitless.training.preflight import model_limits
@@ -35,8 +36,7 @@ class PolicySampler:
     Args:
         sample_fn (Callable): the training sampler (``generate``'s call).
         eval_sample_fn (Callable): the evaluation sampler.
-        gen_kwargs (Dict[str, Any]): the sampling arguments (``max_new_tokens``, ``temperature``,
-            ``top_k``, ``top_p``, ``stop_tokens``).
+        config (SamplerConfig): the ``generation:`` block, its stop tokens set.
         tokenizer (Any): decodes completions; its ``pad_id`` (0 when None) left-pads prompts.
         runtime (Runtime): gathers a sharded policy's weights.
         rollout_copy (bool): sample through an unsharded copy (:meth:`build_rollout_copy` builds it).
@@ -44,9 +44,9 @@ class PolicySampler:
             ``generation.max_cache_len``); None when unknown.
     """
 
-    def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, gen_kwargs: Dict[str, Any], tokenizer: Any,
+    def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, config: SamplerConfig, tokenizer: Any,
                  runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None):
-        self.sample_fn, self.eval_sample_fn, self.gen_kwargs = sample_fn, eval_sample_fn, gen_kwargs
+        self.sample_fn, self.eval_sample_fn, self.config = sample_fn, eval_sample_fn, config
         self.tokenizer, self.runtime = tokenizer, runtime
         self.pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else 0
         self.rollout_copy, self.max_seq_len = rollout_copy, max_seq_len
@@ -67,26 +67,26 @@ class PolicySampler:
             PolicySampler: the sampler.
 
         Raises:
-            ConfigError: a stop token outside the model's vocabulary.
+            ConfigError: a bad ``generation`` value, or a stop token outside the model's vocabulary.
         """
-        gen = OmegaConf.to_container(cfg.generation, resolve=True)
+        config = SamplerConfig.from_config(cfg.generation)
         limits = model_limits(cfg.model)
-        check_stop_tokens(gen.get("stop_tokens", []), limits.vocab_size, "generation.stop_tokens")
-        gen.setdefault("stop_tokens", list(getattr(tokenizer, "stop_tokens", [tokenizer.eos_id])))
-        check_stop_tokens(gen["stop_tokens"], limits.vocab_size, "tokenizer")
-        known = [v for v in (limits.max_seq_len, gen.get("max_cache_len")) if v is not None]
-        options = {k: gen.pop(k) for k in SAMPLER_KEYS if k in gen}
+        check_stop_tokens(config.stop_tokens or [], limits.vocab_size, "generation.stop_tokens")
+        if config.stop_tokens is None:
+            config = config.with_stop_tokens(getattr(tokenizer, "stop_tokens", [tokenizer.eos_id]))
+        check_stop_tokens(config.stop_tokens, limits.vocab_size, "tokenizer")
+        known = [v for v in (limits.max_seq_len, config.compiled.max_cache_len) if v is not None]
         offload = bool(cfg.get("fsdp_cpu_offload", False))
-        sample_fn, eval_sample_fn = build_sampler(options, runtime.device, sharded=runtime.distributed,
+        sample_fn, eval_sample_fn = build_sampler(config, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload)
-        return cls(sample_fn, eval_sample_fn, gen, tokenizer, runtime,
-                   rollout_copy=uses_rollout_copy(options, runtime.device, sharded=runtime.distributed,
+        return cls(sample_fn, eval_sample_fn, config, tokenizer, runtime,
+                   rollout_copy=uses_rollout_copy(config, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload),
                    max_seq_len=min(known) if known else None)
 
     @property
     def max_new_tokens(self) -> int:
-        return self.gen_kwargs["max_new_tokens"]
+        return self.config.max_new_tokens
 
     def build_rollout_copy(self, model_cfg: DictConfig, *, dtype: torch.dtype, seed: int) -> None:
         """Builds the unsharded copy the policy is sampled through, when the sampler uses one."""
@@ -129,7 +129,7 @@ class PolicySampler:
         sample = self.eval_sample_fn if evaluation else self.sample_fn
         model = self.rollout_model if self.rollout_model is not None else policy
         rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
-                         pad_id=self.pad_id, generator=generator, **{**self.gen_kwargs, **overrides})
+                         pad_id=self.pad_id, generator=generator, **self.config.sampling_args(**overrides))
         texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
                  for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]

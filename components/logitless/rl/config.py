@@ -13,9 +13,9 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from logitless.rl.preflight import check_generation
+from logitless.generation.builder import build_sampler
+from logitless.generation.config import SamplerConfig
 from logitless.rl.rewards import build_reward_specs
-from logitless.generation import SAMPLER_KEYS, build_sampler
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
 from logitless.training.config import ConfigError, Key, validate_config
 from logitless.training.distributed import FSDP_KEYS
@@ -88,7 +88,6 @@ GRPO_SCHEMA: Dict[str, Key] = {
 GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
                         "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
                         "checkpointer.checkpoint_files", "checkpointer.model_type")
-_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
 
 
 def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
@@ -119,10 +118,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     gen = cfg.generation
     if not isinstance(gen, DictConfig) or "max_new_tokens" not in gen:
         raise ConfigError(f"config key 'generation': expected a mapping with max_new_tokens, got {gen!r}")
-    unknown = set(gen.keys()) - _GEN_KEYS
-    if unknown:
-        raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
-    check_generation(gen)
+    sampler_config = SamplerConfig.from_config(gen)  # every generation key, named when it is bad
     check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
     check_cpu_threads(cfg.cpu_threads)
     check_optimizer(cfg.optimizer)
@@ -140,7 +136,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                            num_generations=cfg.num_generations)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    temp = float(gen.get("temperature", 1.0))
+    temp = float(sampler_config.temperature)
     loss_temp = float(cfg.loss.get("temperature", 1.0))
     if temp > 0 and not math.isclose(temp, loss_temp):
         raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
@@ -149,10 +145,9 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
                           f"CUDA available: {torch.cuda.is_available()}); use 'auto' (cascade)")
-    sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
     on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     try:
-        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
+        build_sampler(sampler_config, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
                       cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None

@@ -1,5 +1,6 @@
-"""GRPO checks that run before the model is built: the sampling settings of ``generation:`` and
-every prompt's length against the model's ``max_seq_len``.
+"""GRPO checks that run before the model is built: every prompt's length against the model's
+``max_seq_len`` (the ``generation:`` values are checked by
+:class:`~logitless.generation.config.SamplerConfig`).
 
 A prompt of P tokens is sampled into a sequence of P + ``max_new_tokens`` tokens; one that does
 not fit would fail at the first step that draws it (possibly many steps in). Here every prompt
@@ -8,85 +9,17 @@ keep its end (``truncate``, as ``PromptDataset``'s ``overflow="truncate"`` does)
 error naming the row.
 
 Example:
-    >>> check_generation(OmegaConf.create({"max_new_tokens": 0}))
-    Traceback (most recent call last):
-    ConfigError: config key 'generation.max_new_tokens': expected an int >= 1, got 0
+    >>> subset, report = fit_prompt_dataset(dataset, max_seq_len=512, max_new_tokens=64, on_too_long="drop")
+    >>> report.message()
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
-from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
 from logitless.training.config import ConfigError
 from logitless.training.preflight import ON_TOO_LONG, RowSubset
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_generation(gen: Any, key: str = "generation") -> None:
-    """Checks the values of a GRPO ``generation:`` mapping (sampling of the training rollouts).
-
-    ``temperature`` must lie in ``[1e-4, 1e4]`` (the log-prob ops' range: the loss uses the same
-    temperature). 0, which the sampler reads as greedy, is refused here: every completion of a
-    group would be the same, so every advantage would be 0 and nothing would be learnt (the
-    recipe's evaluation samples greedily by itself).
-
-    Args:
-        gen: the ``generation`` node.
-        key (str): its config key.
-
-    Raises:
-        ConfigError: naming ``generation.<name>``, the value and what was expected.
-
-    Example:
-        >>> check_generation(OmegaConf.create({"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9}))
-    """
-    values = OmegaConf.to_container(gen, resolve=True) if isinstance(gen, DictConfig) else dict(gen)
-    n = values.get("max_new_tokens")
-    if not _is_int(n) or n < 1:
-        raise ConfigError(f"config key '{key}.max_new_tokens': expected an int >= 1, got {n!r}")
-    t = values.get("temperature", 1.0)
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-            and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-        greedy = (" (0 = greedy sampling gives every completion of a group the same tokens, so every advantage "
-                  "is 0: GRPO needs sampled completions)") if t == 0 else ""
-        raise ConfigError(f"config key '{key}.temperature': expected a finite number in "
-                          f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t!r}{greedy}")
-    k = values.get("top_k")
-    if k is not None and (not _is_int(k) or k < 1):
-        raise ConfigError(f"config key '{key}.top_k': expected null or an int >= 1, got {k!r}")
-    p = values.get("top_p")
-    if p is not None and not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1):
-        raise ConfigError(f"config key '{key}.top_p': expected null or a number in (0, 1], got {p!r}")
-    stops = values.get("stop_tokens")
-    if stops is not None and (not isinstance(stops, list) or not stops or not all(_is_int(s) and s >= 0
-                                                                                    for s in stops)):
-        raise ConfigError(f"config key '{key}.stop_tokens': expected a non-empty list of token ids >= 0, "
-                          f"got {stops!r}")
-
-
-def check_stop_tokens(stop_tokens: Sequence[int], vocab_size: Optional[int], key: str) -> None:
-    """Raises ConfigError when a stop token is not an id of the model's vocabulary (it could never
-    be sampled, so no completion would ever stop).
-
-    Args:
-        stop_tokens (Sequence[int]): the ids.
-        vocab_size (Optional[int]): the model's vocabulary (None: unknown, nothing checked).
-        key (str): where the ids come from (``generation.stop_tokens`` or ``tokenizer``).
-    """
-    if vocab_size is None:
-        return
-    bad = [s for s in stop_tokens if not 0 <= int(s) < vocab_size]
-    if bad:
-        raise ConfigError(f"config key {key!r}: stop token(s) {bad} outside the model's vocabulary; "
-                          f"expected ids in [0, {vocab_size})")
 
 
 @dataclass
@@ -203,4 +136,4 @@ def fit_prompt_dataset(dataset: Any, *, max_seq_len: Optional[int], max_new_toke
     return PromptSubset(dataset, kept, room if truncated else None), report
 
 
-__all__ = ["PromptReport", "PromptSubset", "check_generation", "check_stop_tokens", "fit_prompt_dataset"]
+__all__ = ["PromptReport", "PromptSubset", "fit_prompt_dataset"]
