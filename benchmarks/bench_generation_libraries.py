@@ -130,7 +130,7 @@ def _agreement(model, sampler, prompts, groups, new_tokens=32):
 
 
 def _kept_gib(sampler):
-    """GiB of the cache and step buffers a FastGenerator keeps between calls."""
+    """GiB of the cache and step buffers a CompiledSampler keeps between calls."""
     state = sampler._state or {}
     tensors = [t for c in state.get("caches", []) for t in (c.k_cache, c.v_cache)]
     tensors += [state[k] for k in ("tokens", "input_pos", "key_valid", "weight") if state.get(k) is not None]
@@ -164,7 +164,7 @@ def _timed(fn, device):
 
 def bench_model(name, args, device, writer, rows):
     """All prompt lengths and backends for one model."""
-    from logitless.generation.compiled import CompiledSampler as FastGenerator
+    from logitless.generation.compiled import CompiledSampler
 
     model = build_dotted(MODELS[name], device)
     vocab = model.tok_embeddings.num_embeddings
@@ -175,10 +175,10 @@ def bench_model(name, args, device, writer, rows):
         except Exception as exc:  # transformers missing or incompatible: reported in the table
             print(f"[{name}] hf skipped: {type(exc).__name__}: {exc}", flush=True)
     cache_len = max(args.prompt_lens) + args.new_tokens
-    fast = {"fast": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len),
-            "fast_nocompile": FastGenerator(compile=False, max_cache_len=cache_len),
-            "fast_ungrouped": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len,
-                                            grouped_attention=False)}
+    fast = {"fast": CompiledSampler(compile=True, backend=args.compile_backend, max_cache_len=cache_len),
+            "fast_nocompile": CompiledSampler(compile=False, max_cache_len=cache_len),
+            "fast_ungrouped": CompiledSampler(compile=True, backend=args.compile_backend, max_cache_len=cache_len,
+                                              grouped_attention=False)}
     rng = torch.Generator().manual_seed(0)
     for plen in args.prompt_lens:
         prompts = torch.randint(1, vocab, (args.prompts, plen), generator=rng).tolist()  # no pad id 0

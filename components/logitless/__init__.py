@@ -19,5 +19,5 @@ register_resolvers()  # ${logitless_asset:...} in configs, before any config is 
 
 from logitless.ops import linear_cross_entropy, linear_log_probs  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["linear_cross_entropy", "linear_log_probs", "__version__"]

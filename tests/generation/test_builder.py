@@ -90,27 +90,6 @@ def test_the_former_backend_name_fast_is_refused_naming_the_key():
         yaml({"backend": "fast"})
 
 
-@pytest.mark.parametrize("old, new, name", [
-    ("generation", "eager", "generate"), ("generation", "trunk", "decoding_layer"),
-    ("fast_generation", "compiled", "CompiledSampler"), ("samplers", "builder", "build_sampler"),
-    ("sampling", "sampling", "prompt_generators"),
-])
-def test_former_module_paths_still_resolve_with_a_future_warning(old, new, name):
-    import importlib
-
-    module = importlib.import_module(f"logitless.rl.{old}")
-    with pytest.warns(FutureWarning, match=f"logitless.rl.{old}.{name} moved to logitless.generation.{new}.{name}"):
-        found = getattr(module, name)
-    assert found is getattr(importlib.import_module(f"logitless.generation.{new}"), name)
-
-
-def test_former_class_name_fast_generator_is_the_compiled_sampler():
-    from logitless.generation import compiled
-
-    with pytest.warns(FutureWarning, match="FastGenerator is now logitless.generation.CompiledSampler"):
-        assert compiled.FastGenerator is CompiledSampler
-
-
 def test_compiled_sampler_options_pass_through_from_yaml():
     train, evaluation = build_sampler(yaml({"backend": "compiled", "compaction": False, "attention_window": None,
                                        "draws": "generator", "sync_every": 4, "fused_projections": False}),

@@ -28,6 +28,7 @@ Example:
     >>> sample, sample_eval = build_sampler(config, torch.device("cpu"))
 """
 
+# Public: __all__ (docs/CONTRACT.md). The other names are internal, imported here for the recipes and tests.
 from logitless.generation.builder import build_sampler, uses_rollout_copy
 from logitless.generation.compiled import CompiledSampler
 from logitless.generation.config import CompiledSamplerConfig, SamplerConfig
@@ -35,7 +36,4 @@ from logitless.generation.eager import generate
 from logitless.generation.result import Rollout, left_pad
 from logitless.generation.sampling import prompt_generators, sample_next
 
-__all__ = [
-    "CompiledSampler", "CompiledSamplerConfig", "Rollout", "SamplerConfig", "build_sampler", "generate", "left_pad",
-    "prompt_generators", "sample_next", "uses_rollout_copy",
-]
+__all__ = ["CompiledSamplerConfig", "SamplerConfig"]

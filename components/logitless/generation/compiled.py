@@ -41,7 +41,6 @@ step is :mod:`logitless.generation.decode_step`, the buffers, buckets and compac
 :mod:`logitless.generation.decode_cache`.
 """
 
-import warnings
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -511,12 +510,3 @@ def generate(
     return sampler(model, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, pad_id=pad_id,
                    num_generations=num_generations, temperature=temperature, top_k=top_k, top_p=top_p,
                    generator=generator)
-
-
-def __getattr__(name: str):
-    # the class's former name, kept importable for a while
-    if name == "FastGenerator":
-        warnings.warn("logitless: FastGenerator is now logitless.generation.CompiledSampler; the old name will be "
-                      "removed", FutureWarning, stacklevel=2)
-        return CompiledSampler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

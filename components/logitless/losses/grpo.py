@@ -79,6 +79,9 @@ class GRPOLoss(StepLoss):
             (``"auto" | "triton" | "chunked" | "reference"``).
         ignore_index (int): label of positions without loss. Default -100.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+        gemm_backend (Optional[str]): the head's GEMMs under ``impl="triton"`` (``"auto"`` |
+            ``"cublas"`` | ``"quack"`` | ``"triton"``); None = ``LOGITLESS_HEAD_GEMM``. YAML:
+            ``loss.gemm_backend``.
         fused (Optional[bool]): compute the head's gradients in the forward through
             ``logitless.ops.linear_token_objective`` (same loss, gradients and metrics; 3 head
             GEMMs instead of 4). None (default): on with token-level ratios. The sequence-level
@@ -110,6 +113,7 @@ class GRPOLoss(StepLoss):
         impl: str = "auto",
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
+        gemm_backend: Optional[str] = None,
         fused: Optional[bool] = None,
     ):
         super().__init__()
@@ -135,15 +139,16 @@ class GRPOLoss(StepLoss):
                 "not known from its own log-prob; use fused=False or None"
             )
         _validate.check_temperature(temperature)
-        impl = _validate.canonical_impl(impl)
+        _validate.check_impl(impl)
         _validate.check_chunk_size(chunk_size)
+        _validate.check_gemm_backend(gemm_backend)
         self.epsilon, self.epsilon_high, self.beta = float(epsilon), float(epsilon_high), float(beta)
         self.loss_type, self.entropy_coef = loss_type, float(entropy_coef)
         self.importance_sampling_level = importance_sampling_level
         self.mask_truncated_completions = mask_truncated_completions
         self.max_completion_length = max_completion_length
         self.temperature, self.impl = temperature, impl
-        self.ignore_index, self.chunk_size = ignore_index, chunk_size
+        self.ignore_index, self.chunk_size, self.gemm_backend = ignore_index, chunk_size, gemm_backend
         self.fused = (importance_sampling_level == "token") if fused is None else fused
 
     # ------------------------------------------------------------------ helpers
@@ -160,7 +165,7 @@ class GRPOLoss(StepLoss):
         head = as_head_input(outputs, type(self).__name__)
         logp, _ = linear_log_probs(head.hidden, head.weight, labels, ignore_index=self.ignore_index,
                                    temperature=self.temperature, return_entropy=False,
-                                   impl=self.impl, chunk_size=self.chunk_size)
+                                   impl=self.impl, chunk_size=self.chunk_size, gemm_backend=self.gemm_backend)
         return logp
 
     def loss_mask(self, labels: torch.Tensor, truncated: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -287,7 +292,8 @@ class GRPOLoss(StepLoss):
         else:
             logp, ent = linear_log_probs(head.hidden, head.weight, labels, ignore_index=self.ignore_index,
                                          temperature=self.temperature, return_entropy=True,
-                                         impl=self.impl, chunk_size=self.chunk_size)
+                                         impl=self.impl, chunk_size=self.chunk_size,
+                                         gemm_backend=self.gemm_backend)
         m = mask.to(logp.dtype)
         adv = advantages.to(logp.dtype)
         ref = None if ref_log_probs is None else masked_like(mask, ref_log_probs.to(logp.dtype), logp)
@@ -359,7 +365,8 @@ class GRPOLoss(StepLoss):
         # Entropy always: the metrics report it (free in the Triton head's statistics).
         return linear_token_objective(head.hidden, head.weight, labels, objective,
                                       ignore_index=self.ignore_index, temperature=self.temperature,
-                                      need_entropy=True, impl=self.impl, chunk_size=self.chunk_size)
+                                      need_entropy=True, impl=self.impl, chunk_size=self.chunk_size,
+                                      gemm_backend=self.gemm_backend)
 
     def row_objective(self, advantages: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
                       old_log_probs: Optional[torch.Tensor] = None,

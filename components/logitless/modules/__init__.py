@@ -1,5 +1,6 @@
 """What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention."""
 
+# Public: __all__ (docs/CONTRACT.md). The other names are internal, imported here for the recipes and tests.
 from logitless.modules.cascade_attention import (
     CascadeLayout,
     cascade_attention,
@@ -16,19 +17,4 @@ from logitless.modules.prompt_sharing import (
 )
 from logitless.modules.unwrap import unwrap_compiled
 
-__all__ = [
-    "CascadeLayout",
-    "HeadInput",
-    "OUTPUT_MODES",
-    "SharedPromptBatch",
-    "cascade_attention",
-    "cascade_layout",
-    "completion_rows",
-    "enable_cascade_attention",
-    "gather_predicting_rows",
-    "head_weight",
-    "pack_groups",
-    "shift_labels",
-    "unwrap_compiled",
-    "wrap_output_head",
-]
+__all__ = ["HeadInput", "head_weight", "shift_labels", "wrap_output_head"]

@@ -7,6 +7,7 @@ import torch
 from logitless._platform import triton_interpreting
 from logitless.ops import _validate, chunked, reference
 from logitless.ops.row_objective import RowObjective
+from logitless.settings import settings
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -17,15 +18,21 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     ``"triton"`` on a CPU tensor is an error unless ``TRITON_INTERPRET=1`` (how CI runs the kernels).
 
     Args:
-        impl (str): ``"auto" | "triton" | "chunked" | "reference"`` (``"reference"``: the deprecated
-            name of ``"reference"``).
+        impl (str): ``"auto" | "triton" | "chunked" | "reference"``.
         device (torch.device): where the inputs live.
         dtype (torch.dtype): the inputs' dtype.
 
     Returns:
         str: ``"triton" | "chunked" | "reference"``.
+
+    Raises:
+        ValueError: an unknown ``impl``, or ``"triton"`` on tensors it cannot run on.
+
+    Example:
+        >>> resolve_impl("auto", torch.device("cpu"))
+        'chunked'
     """
-    impl = _validate.canonical_impl(impl)
+    _validate.check_impl(impl)
     if impl == "auto":
         return "triton" if device.type == "cuda" and dtype != torch.float64 else "chunked"
     if impl == "triton" and device.type != "cuda" and not triton_interpreting():
@@ -53,6 +60,7 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``softmax(hidden @ weight.T / temperature)`` without materialising the logits.
 
@@ -66,6 +74,10 @@ def linear_cross_entropy(
         temperature (float): divides the logits before the softmax. Default 1.0.
         impl (str): ``"auto"`` (triton on CUDA, else chunked), ``"triton"``, ``"chunked"``, ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"`` (default: a 1 GiB budget).
+        gemm_backend (Optional[str]): the GEMMs of ``impl="triton"``: ``"auto"`` (QuACK where it
+            applies and is installed, else cuBLAS), ``"cublas"``, ``"quack"`` or ``"triton"`` (opt-in
+            Triton GEMMs with the softmax work in their epilogues); None = ``LOGITLESS_HEAD_GEMM``
+            (default ``"auto"``). The other implementations run their own GEMMs.
 
     Returns:
         torch.Tensor: fp32 scalar, or fp32 ``labels.shape`` for ``reduction="none"``.
@@ -82,6 +94,7 @@ def linear_cross_entropy(
     _validate.check_reduction(reduction)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
@@ -93,7 +106,7 @@ def linear_cross_entropy(
     if impl == "triton":
         loss = _triton().linear_cross_entropy(
             h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
-            n_valid=n_valid,
+            n_valid=n_valid, gemm_backend=gemm_backend,
         )
     else:
         loss = chunked.linear_cross_entropy(
@@ -113,6 +126,7 @@ def linear_log_probs(
     return_entropy: bool = True,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token ``log softmax(hidden @ weight.T / temperature)[label]`` and the entropy.
 
@@ -128,6 +142,7 @@ def linear_log_probs(
         return_entropy (bool): also return the entropy; ``None`` otherwise. Default True.
         impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
+        gemm_backend (Optional[str]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: fp32 log-probs and entropy of ``labels.shape``.
@@ -139,6 +154,7 @@ def linear_log_probs(
     """
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
@@ -150,7 +166,7 @@ def linear_log_probs(
     if impl == "triton":
         logp, ent = _triton().linear_log_probs(
             h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=return_entropy, n_valid=n_valid,
+            return_entropy=return_entropy, n_valid=n_valid, gemm_backend=gemm_backend,
         )
     else:
         logp, ent = chunked.linear_log_probs(
@@ -171,6 +187,7 @@ def linear_token_objective(
     need_entropy: bool = False,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A sum of per-token terms of (log-prob, entropy), with its gradients computed in the forward.
 
@@ -202,6 +219,7 @@ def linear_token_objective(
         impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"`` (reference log-probs and
             the objective through plain autograd).
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
+        gemm_backend (Optional[str]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: the scalar objective
@@ -224,6 +242,7 @@ def linear_token_objective(
     _validate.check_token_objective(token_objective, need_entropy)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     if isinstance(token_objective, RowObjective):
         token_objective.check_rows(labels.numel(), hidden.device)
@@ -239,10 +258,13 @@ def linear_token_objective(
         return value, logp.detach(), (ent.detach() if need_entropy else None)
     h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if impl == "triton":
-        value, logp, ent = _triton().linear_token_objective(
-            h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,
-            need_entropy=need_entropy, n_valid=n_valid,
-        )
+        triton_ops = _triton()
+        # the objective's gradients are computed in its forward: the backend set for the call covers them
+        with settings.override(head_gemm=triton_ops.functional.resolve_gemm_backend(gemm_backend)):
+            value, logp, ent = triton_ops.linear_token_objective(
+                h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,
+                need_entropy=need_entropy, n_valid=n_valid,
+            )
     else:
         value, logp, ent = chunked.linear_token_objective(
             h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,

@@ -20,8 +20,10 @@ Example:
     >>> T.linear_cross_entropy(h, w, y, ignore_index=-100, reduction="mean", temperature=1.0).backward()
 """
 
+from logitless.ops.triton import functional
 from logitless.ops.triton.functional import linear_cross_entropy, linear_log_probs
 from logitless.ops.triton.head import chunk_rows
 from logitless.ops.triton.token_objective import linear_token_objective
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_token_objective", "chunk_rows"]
+# what ops/dispatch.py calls (an internal package: nothing here is public API)
+__all__ = ["functional", "linear_cross_entropy", "linear_log_probs", "linear_token_objective", "chunk_rows"]
