@@ -261,7 +261,7 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
                            copy_gbps=round(bandwidth / 1e9, 1), roofline_ms=round(roof * 1e3, 3),
                            roofline_frac=round(roof / step, 3) if step > 0 else "")
                 # what a sampler reading each group's prompt once must read (the fraction above
-                # counts every row's copy, as issue 14's roofline does)
+                # counts every row's copy, as the roofline does)
                 shared = step_bytes(model, rows, prompt_len, new_tokens, GROUP) / bandwidth
                 row.update(step_gb_shared=round(shared * bandwidth / 1e9, 3), roofline_shared_ms=round(shared * 1e3, 3),
                            roofline_shared_frac=round(shared / step, 3) if step > 0 else "")
@@ -379,11 +379,11 @@ def results_csv(stem, gpu, folder=None):
     return os.path.join(folder, f"{stem}_{name}.csv")
 
 
-def save_rows(stem, fields, rows, device, out=None, **meta):
+def save_rows(stem, fields, rows, device, out=None, folder=None, **meta):
     """Appends ``rows`` (dicts), each after the run's :func:`run_metadata` and ``meta``, to ``out``
-    or to :func:`results_csv` ``(stem, gpu)``."""
+    or to :func:`results_csv` ``(stem, gpu, folder)``."""
     head = dict(run_metadata(device), **meta)
-    append_rows(Path(out or results_csv(stem, head["gpu"])), fields, [dict(head, **r) for r in rows])
+    append_rows(Path(out or results_csv(stem, head["gpu"], folder)), fields, [dict(head, **r) for r in rows])
 
 
 TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "decode_attention", "tokens_per_s", "mean_len",

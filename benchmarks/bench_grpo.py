@@ -37,7 +37,7 @@ GEMMs, attention, our head kernels, fused / eager elementwise, optimizer, copies
 
 ``--update-only`` skips the sampler (the update's cost does not depend on the sampled token ids:
 random completions of exactly ``--completion-len`` tokens stand in for them), which makes the grid
-of issue 6 affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
+of the GRPO table affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
 ``update_peak_gib`` (peak of the update alone) and ``peak_gib`` (peak of the whole step).
 
 TRL is measured in the same run only when it is importable (``trl``); otherwise the CSV says so.

@@ -66,7 +66,7 @@ __all__ = ["CompiledSampler", "SHARED_PROMPT_MIN_ELEMENTS", "SHARED_PROMPT_MIN_R
 #: ``SHARED_PROMPT_MIN_WIDTH`` columns whose K/V elements per row and layer (columns x K/V heads x
 #: head_dim) reach ``SHARED_PROMPT_MIN_ELEMENTS``, in buckets of at least ``SHARED_PROMPT_MIN_ROWS``
 #: rows. On an H200 at 64 rows (groups of 8 and 16), with the prefix kernel overlapping the rows'
-#: (``benchmarks/results/decode_attention_shared_threshold_h200.csv``), the attention took 0.53-1.00x
+#: (``experiments/results/decode_attention_shared_threshold_h200.csv``), the attention took 0.53-1.00x
 #: the per-row kernel's time at 2^17 elements and above (Qwen2.5-0.5B with 1024-column prompts,
 #: 1.5B with 512 and 1024, 7B with 512), 0.74-0.90x at 1.5B with 256 columns but 0.82-1.14x at 0.5B
 #: with 512 (2^16 elements), and 0.96-1.22x with 128-column prompts; it took longer at 16 rows

@@ -127,7 +127,7 @@ class CompiledSamplerConfig:
             PyTorch unless ``TRITON_INTERPRET=1``. ``"sdpa"``: ``F.scaled_dot_product_attention``
             over the window of ``attention_window``. ``"auto"`` (default): ``"split_k"`` on CUDA
             with ``grouped_attention``, else ``"sdpa"`` (on an H200 the kernel took 0.33-0.73x the
-            windowed SDPA's time per layer, ``benchmarks/results/decode_attention_h200.csv``, and the
+            windowed SDPA's time per layer, ``experiments/results/decode_attention_h200.csv``, and the
             1.5B decode step 0.84-0.91x, ``generation_roofline_h200.csv``).
         programmatic_launch (Optional[bool]): launch the compiled step's kernels (inductor's, with
             its ``triton.enable_pdl``, and the split-K attention's) as programmatic dependent

@@ -209,7 +209,7 @@ def slab_dlogits(hidden: torch.Tensor, weight_slab: torch.Tensor, out: torch.Ten
 
 
 #: The one pass's dW GEMMs (M = V, N = H, K = chunk rows): the fastest of four tile shapes on an H200
-#: at the 7B and 0.5B heads (``benchmarks/probe_quack_ce_gemms.py``, ``quack_ce_gemms_h200.csv``).
+#: at the 7B and 0.5B heads (``experiments/probe_quack_ce_gemms.py``, ``quack_ce_gemms_h200.csv``).
 _DW_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True, is_dynamic_persistent=False)
 
 

@@ -250,7 +250,7 @@ PROMPT_SHARING = (True, False, "auto")
 #: length (the scores of every completion against every other one are computed, then masked), which
 #: outgrows what packing saves in the linear layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt,
 #: update time packed vs expanded: 9216 packed tokens 0.26 vs 0.28 s, 17408 tokens 0.72 vs 0.38 s
-#: (``benchmarks/results/prompt_sharing_scaling_h200.csv``).
+#: (``experiments/results/prompt_sharing_scaling_h200.csv``).
 AUTO_MAX_PACKED_SDPA = 12288
 
 

@@ -42,7 +42,7 @@ __all__ = ["counter_draw", "counter_draw_splits"]
 
 #: Columns per inner-loop block and warps per program of the draw, the programs per SM its split
 #: count aims at, and at most this many spans per row. In a sweep at 64 rows x 151,936 columns on an
-#: H200 (``benchmarks/results/counter_draw_launch_h200.csv``, the same kernel with both logs
+#: H200 (``experiments/results/counter_draw_launch_h200.csv``, the same kernel with both logs
 #: approximate: ``log`` 2, ``table`` 0) 2 programs per SM left each program waiting on every block's
 #: loads: 31.5 us, against 25.4 us with 8 programs per SM and 4096-column blocks. At 16 rows more
 #: than about 16 spans a row only lengthened the pick kernel's fold.
@@ -70,8 +70,8 @@ def _gumbel2(u, FAST_LOG: tl.constexpr):
     about ``1e-7``. The outer log's argument is at least ``2**-24 / ln 2``, where the approximation
     (with ``FAST_LOG``, on NVIDIA GPUs) keeps about 2 ulp relative. Over all ``2**23`` uniforms of
     :func:`~logitless.generation.sampling.uniform_from_bits` that is within 2.8 ulp of float64 on an
-    H200; with both logs approximate it was off by up to 1e6 ulp (``benchmarks/bench_counter_draw.py``,
-    ``benchmarks/results/counter_draw_h200.csv``).
+    H200; with both logs approximate it was off by up to 1e6 ulp (``experiments/bench_counter_draw.py``,
+    ``experiments/results/counter_draw_h200.csv``).
     """
     a = -tl.math.log2(u)
     if FAST_LOG:

@@ -18,12 +18,12 @@ __all__ = ["BLOCK_N", "FILL_MIN_SPLIT", "Launch", "MAX_PREFIX_QUERIES", "MAX_SPL
 #: The partial kernel's default launch: columns per inner-loop block, warps per program and
 #: software-pipeline stages. Best geometric mean over Qwen2.5-0.5B/1.5B/7B heads, 16 and 64 rows,
 #: 1088 and 3584 filled columns on an H200 among block 32/64/128 x 2/3 stages
-#: (``benchmarks/results/decode_attention_launch_h200.csv``): 0.86x the former 64 x 3 at head_dim 64,
+#: (``experiments/results/decode_attention_launch_h200.csv``): 0.86x the former 64 x 3 at head_dim 64,
 #: 0.95x at 128.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 4, 2
 #: Bounds of the automatic split length (columns). At 8-16 rows on an H200, splits shorter than 256
 #: were at most 3% faster and up to 2.1x slower (64 columns;
-#: ``benchmarks/results/decode_attention_split_len_h200.csv``): the merge walks a row's splits one
+#: ``experiments/results/decode_attention_split_len_h200.csv``): the merge walks a row's splits one
 #: after another in only ``B x Hkv`` programs.
 MIN_SPLIT, MAX_SPLIT = 256, 512
 #: Programs per SM the fixed split rule (:func:`default_split_len`, a length set at capture) aims at
@@ -36,7 +36,7 @@ PROGRAMS_PER_SM = 1
 #: whole of it. With splits that hold no column exiting at once, 64 rows of a 1536-column cache (a
 #: 1024-column prompt in groups of 16) took 256-column splits at Qwen2.5-0.5B and 1.5B (0.79-1.00x
 #: the time of 512) and kept 512 at 7B, whose 512 measured 0.96-1.00x 256's on an H200
-#: (``benchmarks/results/decode_attention_early_exit_h200.csv``).
+#: (``experiments/results/decode_attention_early_exit_h200.csv``).
 SHARED_PROGRAMS_PER_SM = 4
 #: Per-row attention without a given split length chooses it on the device at every launch, from
 #: ``n_filled`` (:func:`fill_split_len`): the shortest power of two from ``FILL_MIN_SPLIT`` up to
@@ -44,7 +44,7 @@ SHARED_PROGRAMS_PER_SM = 4
 #: the grid's (row, K/V head) pairs and at most ``FILL_MAX_ROW_SPLITS`` per pair (the merge walks a
 #: pair's splits one after another). One captured grid then serves a rollout whose fill grows from the
 #: prompt to the cache's end: short splits while few columns are filled, long ones near the end. On an
-#: H200 (``benchmarks/results/decode_attention_fill_split_h200.csv``) the best fixed split over
+#: H200 (``experiments/results/decode_attention_fill_split_h200.csv``) the best fixed split over
 #: Qwen2.5-0.5B/1.5B/7B was 128 columns at 64 rows and 384 of 640 filled (2 K/V heads), 512 at 7B's
 #: 4 heads; at 8-16 rows of a 4096-column cache 128-256 at 1024 filled, 256 at 2048, and at 3584
 #: 256 for 8 rows of 2 heads (14 splits a pair; 16 splits of 128 at 2048 cost 0.5-0.8 us more than 8 of

@@ -26,10 +26,10 @@ disassemble, and ``--sass DUMP`` counts, per kernel of its source page, the SASS
 into ``benchmarks/results/cublas_sass_waits_<gpu>.csv``.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/probe_cublas_programmatic.py
+    PYTHONPATH=components python experiments/probe_cublas_programmatic.py
     ncu -k regex:"nvjet|delayed_copy" -c 80 --section SourceCounters --page source --print-source sass \
-        python benchmarks/probe_cublas_programmatic.py --decode-gemms > sass.txt
-    PYTHONPATH=components python benchmarks/probe_cublas_programmatic.py --sass sass.txt
+        python experiments/probe_cublas_programmatic.py --decode-gemms > sass.txt
+    PYTHONPATH=components python experiments/probe_cublas_programmatic.py --sass sass.txt
 """
 
 import argparse
@@ -42,8 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_generation import _table, save_rows  # noqa: E402
 from bench_decode_linear import quack_linear  # noqa: E402
 
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
         return 0
     if args.sass:
         rows = sass_rows(args.sass)
-        save_rows("cublas_sass_waits", SASS_FIELDS, rows, device, args.out, cublaslt=cublaslt_version())
+        save_rows("cublas_sass_waits", SASS_FIELDS, rows, device, args.out, folder=RESULTS, cublaslt=cublaslt_version())
         print(_table(rows, SASS_FIELDS[4:]))
         return 0
     rows = []
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
     rows += chain_rows(64, 1536, args.layers, args.rounds, args.replays)
     if args.quack:
         rows += chain_rows(64, 1536, args.layers, args.rounds, args.replays, gemm="quack")
-    save_rows("cublas_programmatic", FIELDS, rows, device, args.out, cublaslt=cublaslt_version())
+    save_rows("cublas_programmatic", FIELDS, rows, device, args.out, folder=RESULTS, cublaslt=cublaslt_version())
     print(_table(rows, TABLE))
     return 0
 

@@ -5,7 +5,7 @@ cuBLAS ``addmm_``, QuACK reading dW in its epilogue ("C") or adding through its 
 over every chunk of the one pass at 10% ignored rows, each at four QuACK tile shapes; dW's error
 against float64. Needs an sm_90 GPU and quack-kernels.
 
-    python benchmarks/probe_quack_ce_gemms.py qwen05b,qwen7b,llama8b
+    python experiments/probe_quack_ce_gemms.py qwen05b,qwen7b,llama8b
 """
 import sys, statistics, traceback
 import torch

@@ -6,8 +6,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def bench(load_benchmark):
-    return load_benchmark("bench_prefill")
+def bench(load_experiment):
+    return load_experiment("bench_prefill")
 
 
 def test_every_setting_runs_and_writes_a_row(bench, tmp_path):

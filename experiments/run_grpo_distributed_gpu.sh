@@ -10,7 +10,7 @@
 #      prompts) for 2 steps on 2 ranks: the default (rollout copy, compiled fast sampler), the fast
 #      sampler on the gathered shards (uncompiled: rollout_copy=false) and the eager sampler: step
 #      time, generation / update time, tokens/s and peak memory of step 2.
-# Usage: bash benchmarks/run_grpo_distributed_gpu.sh OUT_DIR [tiny] [tiny_copy] [qwen]  (default: all;
+# Usage: bash experiments/run_grpo_distributed_gpu.sh OUT_DIR [tiny] [tiny_copy] [qwen]  (default: all;
 #        PYTHONPATH holds components/ and recipes/)
 set -uo pipefail
 out=${1:?usage: run_grpo_distributed_gpu.sh OUT_DIR}

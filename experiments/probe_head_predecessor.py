@@ -11,7 +11,7 @@ GEMMs on data that fits in L2 (tensor cores without HBM traffic) and the forward
 One CSV (``benchmarks/results/head_predecessor_<gpu>.csv``).
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/probe_head_predecessor.py --shapes qwen7b,qwen05b
+    PYTHONPATH=components python experiments/probe_head_predecessor.py --shapes qwen7b,qwen05b
 """
 
 import argparse
@@ -21,7 +21,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_generation import _table, save_rows  # noqa: E402
 from bench_head import SHAPES, head_inputs, time_ms  # noqa: E402
 
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         rows += shape_rows(shape, device, args.reps, args.rounds)
-    save_rows("head_predecessor", FIELDS, rows, device, args.out)
+    save_rows("head_predecessor", FIELDS, rows, device, args.out, folder=RESULTS)
     print(_table(rows, TABLE))
     return 0
 

@@ -4,8 +4,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def probe(load_benchmark):
-    return load_benchmark("probe_cublas_programmatic")
+def probe(load_experiment):
+    return load_experiment("probe_cublas_programmatic")
 
 
 DUMP = """==PROF== Profiling "nvjet_sm90_tst_64x16_64x16_2x4_h_bz_TNT": 0%....50%....100% - 5 passes

@@ -18,7 +18,7 @@ One CSV (``benchmarks/results/split_gemm_<gpu>.csv``), its kind in ``section``:
   microseconds per layer.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/probe_split_gemm.py --models 1.5b,0.5b,7b
+    PYTHONPATH=components python experiments/probe_split_gemm.py --models 1.5b,0.5b,7b
 """
 
 import argparse
@@ -28,7 +28,9 @@ import sys
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_decode_attention import time_call  # noqa: E402
 from bench_generation import _table, save_rows  # noqa: E402
 
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
         if "chain" in args.sections:
             plans = [tuple(int(s) for s in plan.split("/")) for plan in args.plans.split(",")]
             rows += chain_rows(model, args.rows, args.layers, device, 1, args.iters, plans)
-    save_rows("split_gemm", FIELDS, rows, device, args.out)
+    save_rows("split_gemm", FIELDS, rows, device, args.out, folder=RESULTS)
     print(_table(rows, TABLE))
     return 0
 

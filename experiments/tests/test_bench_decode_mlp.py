@@ -10,8 +10,8 @@ from torch.nn import functional as F
 
 
 @pytest.fixture(scope="module")
-def bench(load_benchmark):
-    return load_benchmark("bench_decode_mlp")
+def bench(load_experiment):
+    return load_experiment("bench_decode_mlp")
 
 
 @pytest.mark.parametrize("n,k,m,programs,splits,gated", [

@@ -15,9 +15,9 @@ two measurements per chunk setting:
 A setting that runs out of memory is reported as ``OOM`` and the grid goes on.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/bench_prefill.py --models 1.5b,7b --prompts 1,4 \\
+    PYTHONPATH=components python experiments/bench_prefill.py --models 1.5b,7b --prompts 1,4 \\
         --widths 8192,16384,32768 --chunk-tokens 8192,none
-    PYTHONPATH=components python benchmarks/bench_prefill.py --models tiny --device cpu --widths 64,256  # smoke
+    PYTHONPATH=components python experiments/bench_prefill.py --models tiny --device cpu --widths 64,256  # smoke
 """
 
 import argparse
@@ -30,7 +30,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_generation import GROUP, MODELS, _table, build_model, results_csv, run_metadata, timed  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "prompts", "G", "rows", "prompt_len",
@@ -149,7 +151,7 @@ def parse_args(argv=None):
     ap.add_argument("--chunk-tokens", type=_chunks, default=[8192, None],
                     help="prefill_chunk_tokens settings; 'none' = one forward")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/prefill_<gpu>.csv)")
+    ap.add_argument("--out", default=None, help="CSV path (default experiments/results/prefill_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
     for name in args.models:
@@ -169,7 +171,7 @@ def main(argv=None):
     device = torch.device(args.device)
     common = run_metadata(device)
     gpu = common["gpu"]
-    out = args.out or results_csv("prefill", gpu)
+    out = args.out or results_csv("prefill", gpu, RESULTS)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     rows = []
     new_file = not os.path.exists(out)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # full_sft_distributed (FSDP2, 2 GPUs) against full_sft_single_device on the same global batch:
 # per-step losses side by side, for the tiny config (bundled checkpoint) and for Qwen2.5-0.5B
-# (random weights, synthetic data). Usage: bash benchmarks/run_sft_distributed_gpu.sh OUT_DIR
+# (random weights, synthetic data). Usage: bash experiments/run_sft_distributed_gpu.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: run_sft_distributed_gpu.sh OUT_DIR}
 mkdir -p "$out"

@@ -1,6 +1,6 @@
 """The fused GRPO objective against cross-entropy on the same head, alternated step by step.
 
-Issue 16 asks the fused GRPO objective (``linear_token_objective``) to cost at most cross-entropy's
+The target asks the fused GRPO objective (``linear_token_objective``) to cost at most cross-entropy's
 time + 5%. Run separately (``bench_head.py``), the two medians come from different minutes of a GPU
 whose clock drifts by ~10% under load; here each rep times one GEMM, one CE step and one objective
 step back to back (``bench_head.py``'s ``ce`` and ``obj`` modes, ``impl="triton"``, forward and
@@ -8,8 +8,8 @@ backward), so the reported ratio is the median of per-rep ratios objective / CE.
 
 Example::
 
-    python benchmarks/probe_objective_vs_ce.py --shapes qwen05b,qwen7b,llama8b,long --ignore-frac 0.1 \\
-        --out benchmarks/results/objective_vs_ce_h200.csv
+    python experiments/probe_objective_vs_ce.py --shapes qwen05b,qwen7b,llama8b,long --ignore-frac 0.1 \\
+        --out experiments/results/objective_vs_ce_h200.csv
 """
 
 import argparse
@@ -20,7 +20,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 import bench_head as B  # noqa: E402
 
 

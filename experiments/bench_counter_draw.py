@@ -22,8 +22,8 @@ may differ), e.g. ``git show 2ece5ed:components/logitless/ops/triton/counter_sam
 
 Example (H200):
     git show 2ece5ed:components/logitless/ops/triton/counter_sampling.py > /tmp/counter_sampling_before.py
-    PYTHONPATH=components:recipes python benchmarks/bench_counter_draw.py --before /tmp/counter_sampling_before.py
-    PYTHONPATH=components:recipes python benchmarks/bench_counter_draw.py --device cpu --rows 2 --vocab 300 \\
+    PYTHONPATH=components:recipes python experiments/bench_counter_draw.py --before /tmp/counter_sampling_before.py
+    PYTHONPATH=components:recipes python experiments/bench_counter_draw.py --device cpu --rows 2 --vocab 300 \\
         --steps 2 --near-steps 2 --gumbel-stride 4099 --reps 1  # smoke (TRITON_INTERPRET=1)
 """
 
@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_decode_attention import _ints, time_call  # noqa: E402
 from bench_generation import _table, results_csv, run_metadata  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
@@ -151,7 +153,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="draws per timed CUDA graph")
     ap.add_argument("--gumbel-stride", type=int, default=1, help="every n-th of the 2**23 uniforms")
     ap.add_argument("--before", default=None, help="another counter_sampling.py to time and count too")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/counter_draw_<gpu>.csv)")
+    ap.add_argument("--out", default=None, help="CSV path (default experiments/results/counter_draw_<gpu>.csv)")
     args = ap.parse_args(argv)
     for flag in ("vocab", "steps", "near_steps", "reps", "gumbel_stride"):
         if getattr(args, flag) < 1:
@@ -172,7 +174,7 @@ def main(argv=None):
     for n in args.rows:
         rows += draw_rows(codes, n, args.vocab, args.steps, args.reps, device)
     rows += near_certain_rows(codes, args.rows[0], args.vocab, args.near_steps, device)
-    out = Path(args.out or results_csv("counter_draw", common["gpu"]))
+    out = Path(args.out or results_csv("counter_draw", common["gpu"], RESULTS))
     append_rows(out, FIELDS, [dict(common, **r) for r in rows])
     print(f"{common['gpu']} | torch {common['torch']} | triton {common['triton']} | csv {out}")
     print(_table(rows, TABLE))

@@ -9,8 +9,8 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def probe(load_benchmark):
-    return load_benchmark("probe_persistent_mlp")
+def probe(load_experiment):
+    return load_experiment("probe_persistent_mlp")
 
 
 @pytest.mark.parametrize("m,d,inter,nprog,fixup,spans", [

@@ -6,22 +6,22 @@
 #   step   : bench_grpo.py whole steps (fast sampler + update), G=16, 1024-token prompt, 512-token
 #            completions, every path incl. prompt once; then TRL's GRPOTrainer at the same setting
 #   grid   : bench_grpo.py --update-only over 0.5B/1.5B/7B x G {8,16} x prompt {256,1024} x
-#            completion {512,2048}, one group per micro-batch (issue 6's table)
+#            completion {512,2048}, one group per micro-batch
 #   generation : bench_generation_libraries.py, 4 prompts x G=16, 1024 + 512 (sampler tokens/s against torchtune's and HF generate)
 #   limits : largest G and completion length that fit, ours (update-only search) and TRL (probes)
 #   rollout_recipe : configs/qwen_grpo.yaml, 3 steps each: decode attention sdpa vs split_k, then
-#            split_k with the layers compiled for the update (compile=true): issue 14's step targets
+#            split_k with the layers compiled for the update (compile=true): the step targets
 #   update_profile : bench_grpo.py --update-only --profile-update at 1.5B and 7B (G=8, 1024 + 512,
-#            prompt once), eager then compiled layers: where the update's time goes (issue 14, item 6)
+#            prompt once), eager then compiled layers: where the update's time goes
 #   cascade : bench_grpo.py --update-only at 1.5B and 7B (G=8, 1024 + 512, one group, compiled layers):
 #            cascade attention against the dense mask, with and without activation checkpointing, profiled
 #   qwen_grpo : configs/qwen_grpo.yaml as shipped, 4 steps, then with activation checkpointing and
-#            micro-batches of 8 (its small-GPU setting): issue 14's step targets
+#            micro-batches of 8 (its small-GPU setting): the step targets
 #   longgroup : the qwen_grpo recipe with 2 groups of G=16, 1024-token prompts and 1024-token
 #            completions (17408 packed tokens a group, past the dense-mask limit): prompt_sharing
 #            auto (cascade attention now; flex when its results were taken) against expanded
 #            (prompt_sharing=false), 3 steps each
-# Usage: bash benchmarks/run_grpo_gpu.sh OUT_DIR SECTION...
+# Usage: bash experiments/run_grpo_gpu.sh OUT_DIR SECTION...
 set -uo pipefail
 out=${1:?usage: run_grpo_gpu.sh OUT_DIR SECTION...}
 shift

@@ -18,8 +18,8 @@ Off CUDA (the Triton interpreter runs programs one after another, so a barrier w
 three phases run as three launches of the same kernel.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/probe_persistent_mlp.py --models 0.5b,1.5b
-    TRITON_INTERPRET=1 PYTHONPATH=components python benchmarks/probe_persistent_mlp.py --device cpu \\
+    PYTHONPATH=components python experiments/probe_persistent_mlp.py --models 0.5b,1.5b
+    TRITON_INTERPRET=1 PYTHONPATH=components python experiments/probe_persistent_mlp.py --device cpu \\
         --models tiny --rows 5 --layers 2  # smoke
 """
 
@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_decode_attention import time_call  # noqa: E402
 from bench_decode_mlp import (MODELS, _prefetch_l2, _rel_err, chain_reference, chain_weights,  # noqa: E402
                               cublas_chain, program_rows, row_blocks)
@@ -362,7 +364,7 @@ def main(argv=None) -> int:
                 row.update(phase_profile(row["model"], row["rows"], device, sms, options))
     rows = [{**meta, **r} for r in rows]
     if device.type == "cuda" or args.out:
-        out = Path(args.out or results_csv("persistent_mlp", meta["gpu"]))
+        out = Path(args.out or results_csv("persistent_mlp", meta["gpu"], RESULTS))
         append_rows(out, FIELDS, rows)
         print(f"appended {len(rows)} rows to {out}")
     print(_table(rows, TABLE + (list(PHASES) if args.phases else [])))

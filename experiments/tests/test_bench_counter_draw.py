@@ -9,8 +9,8 @@ from logitless.generation.kernels import counter_sampling
 
 
 @pytest.fixture(scope="module")
-def bench(load_benchmark):
-    return load_benchmark("bench_counter_draw")
+def bench(load_experiment):
+    return load_experiment("bench_counter_draw")
 
 
 def test_every_section_writes_its_rows_and_the_draw_matches_float64(bench, tmp_path):

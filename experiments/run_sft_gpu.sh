@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The SFT measurements of the closing notes on one GPU (H200), in sections that fit one device call
-# each. PYTHONPATH must hold components/ and recipes/. Usage: bash benchmarks/run_sft_gpu.sh OUT SECTION...
+# each. PYTHONPATH must hold components/ and recipes/. Usage: bash experiments/run_sft_gpu.sh OUT SECTION...
 #   recipe : full_sft_single_device on Qwen2.5-0.5B (random weights, synthetic data), 3 steps, fused loss
-#   rows   : bench_sft.py, the four rows of issue 4 (0.5B 8x8192 and 2x32768; 7B 4x4096 with plain CE,
+#   rows   : bench_sft.py, the four rows of the SFT table (0.5B 8x8192 and 2x32768; 7B 4x4096 with plain CE,
 #            7B 1x32768), every loss choice against torchtune's chunked CE and the no-head step
-#   compiled : issue 16's SFT target: 0.5B 8x8192 and 7B 1x32768 with every variant's layers compiled
+#   compiled : the SFT target: 0.5B 8x8192 and 7B 1x32768 with every variant's layers compiled
 #            (--compile), our fused head (cuBLAS GEMMs, then LOGITLESS_HEAD_GEMM=triton) against torchtune's
 #            chunked CE compiled as its recipes' compile: True compiles it
 #   maxbatch : batch-size probes at 8192 tokens, Qwen2.5-0.5B: fused loss and torchtune's chunked CE

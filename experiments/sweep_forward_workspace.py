@@ -2,28 +2,31 @@
 
 The forward walks (row block x V slab) tiles of logits through cuBLAS and the Triton statistics
 kernels (``ops/triton/head.py``). Larger tiles make larger, faster GEMMs but cost workspace: the
-no-grad pass keeps under 0.1 GiB extra (DESIGN.md), the pass followed by a backward may use the
+no-grad pass keeps under 0.1 GiB extra (the memory target), the pass followed by a backward may use the
 backward's own 224 MiB. For each head shape, workspace (MiB) and row-block cap, this prints the
 error of log-probs / entropy against float64 (a row sample; plain PyTorch's beside it) and the
 time in units of one bf16 ``torch.matmul`` of (N x H) by (H x V) measured back to back in the same
 rep (median of per-rep ratios: the clocks drift under load).
 
-    PYTHONPATH=components python benchmarks/sweep_forward_workspace.py --shapes qwen7b,qwen05b \
-        --out benchmarks/results/forward_workspace_h200.csv
+    PYTHONPATH=components python experiments/sweep_forward_workspace.py --shapes qwen7b,qwen05b \
+        --out experiments/results/forward_workspace_h200.csv
 
-H200, torch 2.11 (``benchmarks/results/forward_workspace_h200.csv``): 80 MiB (the no-grad
+H200, torch 2.11 (``experiments/results/forward_workspace_h200.csv``): 80 MiB (the no-grad
 default) 1.16 GEMMs at the 7B head and 1.50 at the 0.5B head; 160 MiB 1.13 / 1.41.
 """
 
 import argparse
 import csv
+import os
 import statistics
+import sys
 
 import torch
 import triton
 
-from bench_head import rel  # the same error measure as the head benchmark
-from logitless.ops.triton import head
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_head import rel  # noqa: E402  (the same error measure as the head benchmark)
+from logitless.ops.triton import head  # noqa: E402
 
 SHAPES = {"qwen7b": (8192, 3584, 152064), "llama8b": (8192, 4096, 128256),
           "qwen05b": (16384, 896, 151936), "long": (32768, 3584, 152064)}

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @pytest.fixture(scope="module")
-def tables(load_benchmark):
-    return load_benchmark("generation_tables")
+def tables(load_experiment):
+    return load_experiment("generation_tables")
 
 
 def test_decode_step_table_pairs_uniform_and_mix_rows(tables, tmp_path):

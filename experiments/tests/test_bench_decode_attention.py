@@ -7,8 +7,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def bench(load_benchmark):
-    return load_benchmark("bench_decode_attention")
+def bench(load_experiment):
+    return load_experiment("bench_decode_attention")
 
 
 def test_every_method_runs_agrees_with_sdpa_and_writes_a_row(bench, tmp_path):

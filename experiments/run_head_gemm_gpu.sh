@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton, issue 16 part 1) on one GPU, one stage per
+# The Triton head GEMMs (LOGITLESS_HEAD_GEMM=triton) on one GPU, one stage per
 # device call (each at most 570 s): their tests, the block-size sweep at one shape, cuBLAS vs Triton
 # GEMMs side by side (triton vs triton_hgemm, triton_fused vs triton_fused_hgemm), the profile split.
-# Usage: benchmarks/run_head_gemm_gpu.sh OUT_DIR tests|sweep SHAPE|compare|profile   (table printed last)
+# Usage: experiments/run_head_gemm_gpu.sh OUT_DIR tests|sweep SHAPE|compare|profile   (table printed last)
 # HGEMM_BLOCKS=stats=MxNxKxGxWxSxWS,dlogits=...,dw=... sets the sweep's winners for compare and profile.
 set -u
 out=${1:?output directory}; stage=${2:?stage: tests, sweep SHAPE, compare or profile}

@@ -26,8 +26,8 @@ One CSV (``benchmarks/results/decode_mlp_<gpu>.csv``), its kind in ``section``:
   microseconds per layer.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/bench_decode_mlp.py --models 1.5b,0.5b,7b
-    PYTHONPATH=components python benchmarks/bench_decode_mlp.py --device cpu --models tiny --rows 5 --layers 2 \\
+    PYTHONPATH=components python experiments/bench_decode_mlp.py --models 1.5b,0.5b,7b
+    PYTHONPATH=components python experiments/bench_decode_mlp.py --device cpu --models tiny --rows 5 --layers 2 \\
         --reps 1  # smoke (TRITON_INTERPRET=1)
 """
 
@@ -43,7 +43,9 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_decode_attention import _ints, time_call  # noqa: E402
 from bench_generation import _table, comma_choices, results_csv, run_metadata  # noqa: E402
 from bench_sft import append_rows  # noqa: E402
@@ -379,7 +381,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph (per weight copy)")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=None, help="CSV to append to (default benchmarks/results/decode_mlp_<gpu>.csv)")
+    ap.add_argument("--out", default=None, help="CSV to append to (default experiments/results/decode_mlp_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models = comma_choices(ap, "--models", args.models, MODELS)
     args.sections = comma_choices(ap, "--sections", args.sections, ("product", "chain"))
@@ -412,7 +414,7 @@ def main(argv=None) -> int:
             if "chain" in args.sections:
                 rows += chain_rows(model, m, args.layers, device, sms, args.reps, args.iters)
     rows = [{**meta, **r} for r in rows]
-    out = Path(args.out or results_csv("decode_mlp", meta["gpu"]))
+    out = Path(args.out or results_csv("decode_mlp", meta["gpu"], RESULTS))
     append_rows(out, FIELDS, rows)
     print(f"\n{_table(rows, TABLE)}\nappended {len(rows)} rows to {out}")
     return 0

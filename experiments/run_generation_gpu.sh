@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Rollout decode against the roofline on one GPU (issue 14): the benchmark grid, a profile of the
-# compiled sampler, the GPU tests. Usage: benchmarks/run_generation_gpu.sh OUT_DIR [MODELS] [NEW_TOKENS]
+# Rollout decode against the roofline on one GPU: the benchmark grid, a profile of the
+# compiled sampler, the GPU tests. Usage: experiments/run_generation_gpu.sh OUT_DIR [MODELS] [NEW_TOKENS]
 # If the compiled sampler fails on the first model with its defaults, the rest runs with the draws
 # sampled after the captured step (graph_sampling=False), and the CSV's options column says so.
 set -u

@@ -22,9 +22,9 @@ and values of the rows (``rows x kv_heads x n x head_dim x 2 x 2`` bytes), the q
 the time. ``max_diff`` is the largest absolute difference from ``sdpa_full``'s output.
 
 Example (H200):
-    PYTHONPATH=components python benchmarks/bench_decode_attention.py --models 0.5b,1.5b,7b --rows 8,16,64 \\
+    PYTHONPATH=components python experiments/bench_decode_attention.py --models 0.5b,1.5b,7b --rows 8,16,64 \\
         --filled 1024,2048,3584
-    PYTHONPATH=components python benchmarks/bench_decode_attention.py --models tiny --device cpu  # smoke
+    PYTHONPATH=components python experiments/bench_decode_attention.py --models tiny --device cpu  # smoke
 """
 
 import argparse
@@ -40,7 +40,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench_generation module
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 from bench_generation import (_gpu_name, _table, _version, comma_choices, copy_bandwidth,  # noqa: E402
                               results_csv)
 from bench_sft import append_rows  # noqa: E402
@@ -281,7 +283,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="calls per captured CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/decode_attention_<gpu>.csv)")
+    ap.add_argument("--out", default=None, help="CSV path (default experiments/results/decode_attention_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models = comma_choices(ap, "--models", args.models, SHAPES)
     args.methods = comma_choices(ap, "--methods", args.methods, METHODS)
@@ -296,7 +298,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     gpu = _gpu_name(torch.device(args.device))
-    out = args.out or results_csv("decode_attention", gpu)
+    out = args.out or results_csv("decode_attention", gpu, RESULTS)
     rows, bandwidth = bench(args)
     append_rows(Path(out), FIELDS, rows)
     print(f"\n{gpu} | torch {torch.__version__} | triton {_version('triton')} | copy {bandwidth / 1e9:.0f} GB/s | "

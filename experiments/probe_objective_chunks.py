@@ -10,8 +10,8 @@ A host time near the GPU time means the step is host-bound.
 
 Example::
 
-    python benchmarks/probe_objective_chunks.py --shapes qwen05b,qwen7b --ignore-frac 0.1 \\
-        --out benchmarks/results/objective_chunks_h200.csv
+    python experiments/probe_objective_chunks.py --shapes qwen05b,qwen7b --ignore-frac 0.1 \\
+        --out experiments/results/objective_chunks_h200.csv
 """
 
 import argparse
@@ -23,7 +23,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benchmarks")]  # this folder's scripts, then the benchmarks' helpers
 import bench_head as B  # noqa: E402
 
 #: The CSV's columns.

@@ -14,7 +14,7 @@
   models, 16 and 64 rows, 512 and 2048 new tokens), in the decode step's table format.
 
 Usage:
-    python benchmarks/generation_tables.py [--results benchmarks/results] [--since 2026-11-23T14]
+    python experiments/generation_tables.py [--results experiments/results] [--since 2026-11-23T14]
 """
 
 import argparse
@@ -206,7 +206,9 @@ def prefill_table(rows: List[Dict[str, str]]) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--results", default=str(Path(__file__).parent / "results"), help="the experiments' CSVs")
+    parser.add_argument("--grid", default=str(Path(__file__).parents[1] / "benchmarks/results/generation_grid_h200.csv"),
+                        help="the generation benchmark's grid")
     parser.add_argument("--since", default="2026-11-23T14", help="ISO date prefix of the split-K runs")
     args = parser.parse_args(argv)
     results = Path(args.results)
@@ -222,7 +224,7 @@ def main(argv=None) -> None:
     print()
     print(step_breakdown_table(_read(results / "decode_step_breakdown_h200.csv")))
     print()
-    print(decode_step_table(_read(results / "generation_grid_h200.csv"), ""))
+    print(decode_step_table(_read(Path(args.grid)), ""))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ float64):
 * ``lean``: ``block`` with fewer instructions per element (padding loaded as -inf, the shifted
   logit clamped instead of two selects).
 
-    PYTHONPATH=components python benchmarks/sweep_row_stats.py
+    PYTHONPATH=components python experiments/sweep_row_stats.py
 
-H100 (``benchmarks/results/row_stats_h100.csv``): ``lean`` is within +-4 % of ``block`` at the tile
+H100 (``experiments/results/row_stats_h100.csv``): ``lean`` is within +-4 % of ``block`` at the tile
 shapes the head uses (4096 x 10240: 1.62 vs 1.56 TB/s; 4096 x 28672: 2.20 vs 2.23; 768 x 152064:
 2.06 vs 1.98), so the kernel is not issue-bound; the small no-grad tiles are launch/tail-bound
 (~50 us kernels). ``block`` stays. An earlier run of this sweep also tried per-lane running

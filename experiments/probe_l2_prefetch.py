@@ -10,7 +10,7 @@ a share of its weights, the window, then ``o = a @ Wo.T``, the residual add, ``g
 
 Usage (a CUDA GPU of compute capability 9.0+)::
 
-    python benchmarks/probe_l2_prefetch.py benchmarks/results/decode_l2_prefetch_h200.csv
+    python experiments/probe_l2_prefetch.py experiments/results/decode_l2_prefetch_h200.csv
 """
 
 import csv
