@@ -1,16 +1,72 @@
 """The compiled sampler's Triton draw (``logitless.generation.kernels.counter_sampling``) against the PyTorch
 reference :func:`sample_counter`, in the interpreter at small odd shapes (CUDA on a GPU)."""
 
+import math
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from logitless.generation.kernels.counter_sampling import _gumbel2, counter_draw, counter_draw_splits
+from logitless.generation.kernels.counter_sampling import BLOCK_V, _gumbel2, counter_draw, counter_draw_splits
 from logitless.generation import CompiledSampler, decode_step, prompt_generators
 from logitless.generation.sampling import sample_counter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+#: The unit roundoff of fp32, the kernels' arithmetic.
+U = 2.0 ** -24
+
+
+def logp_error_bound(logits, temperature, splits=None):
+    """The largest ``|logp - exact|`` (nats, per row) that the kernels' fp32 arithmetic allows, so a
+    test holds on any machine (the bound, not one machine's rounding, sets the tolerance).
+
+    With ``u = 2**-24``, ``S`` the row's largest ``|logit| / T`` over its finite logits (nats), ``n``
+    its finite columns, the kernels compute ``logp = (s_tok - m - log2(acc)) ln 2`` from
+    ``s = logits * fp32(log2(e) / T)``, ``m`` the row's max ``s`` and ``acc = sum 2**(s - m)``:
+
+    - every ``s`` carries three roundings (the constant, its product): ``3u|s|``, at the token and in
+      every term of ``acc``: ``2 x 3uS`` nats;
+    - each term ``2**(s - m)``: the subtraction's rounding, ``u|s - m| <= 2uS`` nats, and ``exp2``
+      within 4 ulp (the GPU's ``ex2.approx``; the interpreter's is within 1);
+    - ``acc``, a sum of positive terms: relative ``u`` per level of the sum within a block
+      (``log2(BLOCK_V)``), per block of a span and per span folded, ``d`` levels in all;
+    - ``log2(acc)`` within 2 ulp of ``|log2 acc| <= log2(n)`` bits: ``2u ln(n)`` nats;
+    - the last subtraction and the product by fp32 ``ln 2``: ``u|s_tok - m| <= 2uS`` and ``3u|logp|``.
+
+    In all, ``|logp - exact| <= u (10 S + d + 4 + 2 ln(n) + 3 |logp|)``.
+
+    Args:
+        logits (torch.Tensor): ``(B, V)``, as drawn from.
+        temperature (float): 0 reads as 1 (greedy returns the log-prob at T = 1).
+        splits (Optional[int]): spans per row (default: the kernels' own choice).
+
+    Returns:
+        torch.Tensor: ``(B,)`` float64 bounds, and the exact log-softmax ``(B, V)`` in float64.
+    """
+    t = temperature or 1.0
+    scaled = logits.double() / t
+    finite = torch.isfinite(scaled)
+    exact = torch.log_softmax(scaled, dim=-1)
+    vocab = logits.shape[1]
+    splits = splits or counter_draw_splits(*logits.shape)
+    span = -(-(-(-vocab // splits)) // BLOCK_V) * BLOCK_V
+    depth = math.log2(BLOCK_V) + -(-span // BLOCK_V) + -(-vocab // span)
+    big = torch.where(finite, scaled.abs(), 0.0).amax(dim=-1)
+    n = finite.sum(dim=-1).double()
+    return U * (10 * big + depth + 4 + 2 * n.log()), exact
+
+
+def assert_logp_within_bound(tokens, logp, logits, temperature, splits=None):
+    """``logp`` of the drawn ``tokens`` against float64, within :func:`logp_error_bound` (plus the
+    ``3u|logp|`` of the last product)."""
+    bound, exact = logp_error_bound(logits, temperature, splits)
+    want = exact.gather(1, tokens[:, None]).squeeze(1)
+    bound = bound + 3 * U * want.abs()
+    err = (logp.double() - want).abs()
+    assert bool((err <= bound).all()), f"|logp - float64| = {err.tolist()} over the bound {bound.tolist()}"
 
 
 def _problem(rows, vocab, dtype=torch.float32, seed=0, scale=3.0):
@@ -25,11 +81,10 @@ def _problem(rows, vocab, dtype=torch.float32, seed=0, scale=3.0):
 def test_counter_draw_equals_sample_counter(rows, vocab, temperature):
     logits, keys, step = _problem(rows, vocab)
     tokens, logp = counter_draw(logits, keys, step, temperature=temperature)
-    ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=temperature)
+    ref_tokens, _ = sample_counter(logits, keys, step, temperature=temperature)
     assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
     assert torch.equal(tokens, ref_tokens)
-    exact = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    torch.testing.assert_close(logp.double(), exact, rtol=0, atol=1e-5)
+    assert_logp_within_bound(tokens, logp, logits, temperature)
 
 
 def test_several_spans_per_row_are_folded_in_order():
@@ -41,7 +96,9 @@ def test_several_spans_per_row_are_folded_in_order():
     tokens, logp = counter_draw(logits, torch.zeros(2, dtype=torch.int64, device=DEVICE),
                                 torch.zeros(1, dtype=torch.int64, device=DEVICE), temperature=0.0)
     assert tokens.tolist() == [100, 2100] == logits.argmax(dim=1).tolist()
-    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1], [100, 2100]])
+    # against float64, within the kernels' bound: fp32 torch.log_softmax is itself off by 1.6e-5 here
+    # on an AVX2 CPU, so comparing with it measured the CPU, not the kernels
+    assert_logp_within_bound(tokens, logp, logits, 0.0)
 
 
 def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(monkeypatch):
@@ -56,13 +113,13 @@ def test_a_span_of_several_blocks_keeps_the_first_column_and_the_reference_draw(
     zeros = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     tokens, logp = counter_draw(logits, zeros, zeros[:1], temperature=0.0)
     assert tokens.tolist() == [4, 5, 4103] == logits.argmax(dim=1).tolist()
-    torch.testing.assert_close(logp, torch.log_softmax(logits, dim=1)[[0, 1, 2], [4, 5, 4103]])
+    assert_logp_within_bound(tokens, logp, logits, 0.0, splits=1)
     for temperature in (1.0, 0.7):
         logits, keys, step = _problem(4, 9001, seed=5)
         tokens, logp = counter_draw(logits, keys, step, temperature=temperature)
-        ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=temperature)
+        ref_tokens, _ = sample_counter(logits, keys, step, temperature=temperature)
         assert torch.equal(tokens, ref_tokens)
-        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+        assert_logp_within_bound(tokens, logp, logits, temperature, splits=1)
 
 
 def test_a_token_whose_hash_is_the_largest_is_drawn_only_by_its_probability():
@@ -123,9 +180,9 @@ def test_masked_tokens_are_never_drawn_and_bf16_logits_are_read_as_fp32():
     for t in range(20):
         step = torch.tensor([t], device=DEVICE)
         tokens, logp = counter_draw(logits, keys, step, temperature=1.0)
-        ref_tokens, ref_logp = sample_counter(logits, keys, step, temperature=1.0)
+        ref_tokens, _ = sample_counter(logits, keys, step, temperature=1.0)
         assert bool((tokens < 7).all()) and torch.equal(tokens, ref_tokens)
-        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
+        assert_logp_within_bound(tokens, logp, logits, 1.0)
 
 
 def test_a_rows_draw_does_not_depend_on_the_batch():
