@@ -1,6 +1,6 @@
 """GRPOLoss(fused=True) against fused=False and a dense float64 reference: every loss_type with
 clipping, epsilon_high, k3 KL, entropy bonus, truncation masking and micro-batch normalisation;
-loss values, gradients and metrics; impls torch, chunked and triton (CPU interpreter).
+loss values, gradients and metrics; impls reference, chunked and triton (CPU interpreter).
 Without CUDA the Triton kernels run in Triton's CPU interpreter (set up by ``tests/conftest.py``).
 """
 
@@ -88,7 +88,7 @@ def _run(fused, impl, loss_kwargs, call_kwargs, inputs, dtype=torch.float32):
 
 
 def _impls():
-    out = ["torch", "chunked"]
+    out = ["reference", "chunked"]
     out.append(pytest.param("triton", marks=pytest.mark.skipif(head is None, reason="no triton")))
     return out
 

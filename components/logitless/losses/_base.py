@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from logitless.modules import HeadInput, unwrap_compiled, wrap_output_head
+from logitless.ops import _validate
 
 ModelOutput = Union[HeadInput, torch.Tensor, Sequence[torch.Tensor]]
 Count = Union[int, torch.Tensor]
@@ -102,6 +103,19 @@ class HeadLoss(nn.Module):
         inner = wrap_output_head(unwrap_compiled(model))
         inner.set_output_mode(self.output_mode, self.num_output_chunks)
         return model
+
+    def set_head_options(self, *, impl: str, temperature: float, chunk_size: Optional[int],
+                         gemm_backend: Optional[str]) -> None:
+        """Checks and keeps what every head-op call of the loss takes, before any compute.
+
+        Raises:
+            ValueError: naming the argument, its value and what was expected.
+        """
+        _validate.check_impl(impl)
+        _validate.check_temperature(temperature)
+        _validate.check_chunk_size(chunk_size)
+        _validate.check_gemm_backend(gemm_backend)
+        self.impl, self.temperature, self.chunk_size, self.gemm_backend = impl, temperature, chunk_size, gemm_backend
 
 
 class StepLoss(HeadLoss, abc.ABC):

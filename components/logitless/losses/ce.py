@@ -128,14 +128,10 @@ class LinearCrossEntropyLoss(TokenMeanLoss):
     ):
         super().__init__()
         del num_output_chunks  # see the docstring: config compatibility only
-        _validate.check_impl(impl)
-        _validate.check_gemm_backend(gemm_backend)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        _validate.check_temperature(temperature)
-        _validate.check_chunk_size(chunk_size)
-        self.impl, self.ignore_index, self.reduction = impl, ignore_index, reduction
-        self.temperature, self.chunk_size, self.gemm_backend = temperature, chunk_size, gemm_backend
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
+        self.ignore_index, self.reduction = ignore_index, reduction
 
     def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """

@@ -6,7 +6,7 @@ import torch
 
 from logitless.losses._base import ModelOutput, TokenMeanLoss, label_chunks, logit_chunks
 from logitless.modules import HeadInput
-from logitless.ops import _validate, linear_log_probs
+from logitless.ops import linear_log_probs
 
 
 class EntropyWithChunkedOutputLoss(TokenMeanLoss):
@@ -45,12 +45,8 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
         gemm_backend: Optional[str] = None,
     ):
         super().__init__()
-        _validate.check_temperature(temperature)
-        _validate.check_impl(impl)
-        _validate.check_gemm_backend(gemm_backend)
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
-        self.temperature, self.impl, self.chunk_size = temperature, impl, chunk_size
-        self.gemm_backend = gemm_backend
 
     def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """

@@ -6,7 +6,7 @@ import torch
 
 from logitless.losses._base import HeadLoss, ModelOutput, label_chunks, logit_chunks
 from logitless.modules import HeadInput
-from logitless.ops import _validate, linear_log_probs
+from logitless.ops import linear_log_probs
 
 
 class TokenLogProbs(HeadLoss):
@@ -42,11 +42,8 @@ class TokenLogProbs(HeadLoss):
         gemm_backend: Optional[str] = None,
     ):
         super().__init__()
-        _validate.check_temperature(temperature)
-        _validate.check_impl(impl)
-        _validate.check_gemm_backend(gemm_backend)
-        self.temperature, self.return_entropy, self.impl = temperature, return_entropy, impl
-        self.ignore_index, self.chunk_size, self.gemm_backend = ignore_index, chunk_size, gemm_backend
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
+        self.return_entropy, self.ignore_index = return_entropy, ignore_index
 
     def forward(
         self, outputs: ModelOutput, labels: torch.Tensor
