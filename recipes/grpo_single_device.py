@@ -166,18 +166,18 @@ class GRPORecipe:
         bar.close()
         self.ckpt.log_final(self.step)
 
-    def sample_round(self, step: int, round_index: int) -> ScoredRollout:
-        """Samples and scores the next ``prompts_per_step`` prompts of the prompt stream (this rank's
-        share; round 0 is the step's batch, later rounds are dynamic sampling's refills)."""
-        cfg, group_size = self.cfg, self.cfg.num_generations
-        share = self.runtime.share(cfg.prompts_per_step)  # this rank's prompts (equal shares: validated)
-        indices = prompt_stream_indices(self.prompts_drawn, cfg.prompts_per_step, num_rows=len(self.dataset),
-                                        seed=self.seed)
-        self.prompts_drawn += cfg.prompts_per_step
+    def sample_round(self, step: int, num_prompts: int, first: int = 0) -> ScoredRollout:
+        """Samples and scores the next ``num_prompts`` prompts of the prompt stream (this rank's share;
+        the step's batch, or a refill of dynamic sampling whose prompts follow the step's ``first``)."""
+        group_size = self.cfg.num_generations
+        share = self.runtime.share(num_prompts)  # this rank's prompts (equal shares: validated / rounded)
+        indices = prompt_stream_indices(self.prompts_drawn, num_prompts, num_rows=len(self.dataset), seed=self.seed)
+        self.prompts_drawn += num_prompts
         rows = [self.dataset[indices[i]] for i in share]
-        streams = [round_index * cfg.prompts_per_step + i for i in share]  # one random stream per prompt
-        rollout, prompts, texts, fields = self.sampler.sample(
-            self.model, rows, group_size, prompt_generators(self.seed, step, streams, self.device))
+        streams = [first + i for i in share]  # one random stream per prompt of the step
+        with self.sampler.weights(self.model):
+            rollout, prompts, texts, fields = self.sampler.sample(
+                self.model, rows, group_size, prompt_generators(self.seed, step, streams, self.device))
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
         values = gather_columns({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated},
                                 self.runtime.all_gather)
@@ -193,16 +193,14 @@ class GRPORecipe:
             (its values, all rounds), the dynamic-sampling metrics.
         """
         cfg = self.cfg
-        with self.sampler.weights(self.model):
-            if not cfg.dynamic_sampling:
-                batch = self.sample_round(step, 0)
-                return batch, batch.values, {}
-            fill = GroupFill(cfg.prompts_per_step, cfg.num_generations, runtime=self.runtime,
-                             pad_id=self.sampler.pad_id)
-            for round_index in range(cfg.dynamic_sampling_max_rounds):
-                fill.add(self.sample_round(step, round_index))
-                if fill.full:
-                    break
+        if not cfg.dynamic_sampling:
+            batch = self.sample_round(step, cfg.prompts_per_step)
+            return batch, batch.values, {}
+        fill = GroupFill(cfg.prompts_per_step, cfg.num_generations, runtime=self.runtime, pad_id=self.sampler.pad_id)
+        for _ in range(cfg.dynamic_sampling_max_rounds):
+            fill.add(self.sample_round(step, fill.next_round_size(), first=fill.sampled_groups))
+            if fill.full:
+                break
         if not fill.full and self.runtime.is_rank_zero:
             get_logger("INFO").warning(f"step {step + 1}: {fill.shortfall()}")
         return fill.batch(), fill.sampled_values(), fill.metrics()

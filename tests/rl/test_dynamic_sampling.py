@@ -97,9 +97,25 @@ def test_fill_keeps_the_first_groups_with_spread_in_stream_order():
     assert batch.values["total"].tolist() == [0, 1, 1, 0, 1, 0, 1, 0]
     assert batch.rewards["acc"].tolist() == batch.values["total"].tolist() and batch.rows == slice(0, 8)
     assert batch.texts[:2] == ["c1.0", "c1.1"] and batch.rollout.completion_tokens.shape[0] == 8
-    assert fill.metrics() == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/dropped_groups": 6.0,
+    assert fill.metrics() == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/sampled_groups": 12.0,
+                              "dynamic_sampling/dropped_groups": 6.0,
                               "dynamic_sampling/surplus_groups": 2.0, "dynamic_sampling/filled_fraction": 1.0}
     assert fill.sampled_values()["total"].numel() == 24
+
+
+def test_further_rounds_sample_the_missing_groups_over_the_keep_rate():
+    def fill_after(kept, sampled, prompts_per_step=44, world=1):
+        fill = GroupFill(prompts_per_step, G, runtime=Runtime(torch.device("cpu"), world_size=world), pad_id=PAD)
+        fill._spread.append(torch.arange(sampled) < kept)  # what add() records of a round
+        fill.rounds.append(None)
+        return fill
+
+    assert GroupFill(44, G, runtime=Runtime(torch.device("cpu")), pad_id=PAD).next_round_size() == 44
+    assert fill_after(36, 44).next_round_size() == 10           # ceil(8 / (36 / 44)) = ceil(9.78)
+    assert fill_after(36, 44, world=4).next_round_size() == 12  # whole shares of 4 ranks
+    assert fill_after(0, 44).next_round_size() == 44            # nothing kept yet: a whole round
+    assert fill_after(1, 44).next_round_size() == 44            # at most prompts_per_step
+    assert fill_after(44, 50).next_round_size() == 0            # full
 
 
 def test_rounds_running_out_train_on_what_was_kept_or_nothing():

@@ -5,9 +5,11 @@ it costs a full forward and backward and teaches nothing. With ``dynamic_samplin
 recipe samples a round of ``prompts_per_step`` prompts, drops such groups, and samples further
 rounds (the next prompts of the same prompt stream, :func:`logitless.rl.prompt_sets.prompt_stream_indices`)
 until it has ``prompts_per_step`` groups with a reward spread or has sampled
-``dynamic_sampling_max_rounds`` rounds. It trains on the first ``prompts_per_step`` kept groups in
-stream order (the surplus of the last round is discarded, as in DAPO); when the rounds run out
-first it trains on the groups it kept (a smaller step, said in the log and in
+``dynamic_sampling_max_rounds`` rounds. A further round samples the missing groups divided by the
+share kept so far (:meth:`GroupFill.next_round_size`), so it is expected to fill the step without
+sampling a whole batch for a few missing groups. The step trains on the first ``prompts_per_step``
+kept groups in stream order (a surplus is discarded, as in DAPO); when the rounds run out first it
+trains on the groups it kept (a smaller step, said in the log and in
 ``dynamic_sampling/filled_fraction``), and when no group has a spread it takes no optimizer step.
 
 On several ranks every rank samples its share of each round (one random stream per prompt, as
@@ -21,7 +23,7 @@ whole step) hands to the update.
 Example:
     >>> fill = GroupFill(prompts_per_step=8, num_generations=4, runtime=runtime, pad_id=0)
     >>> for r in range(max_rounds):
-    ...     fill.add(sample_round(r))
+    ...     fill.add(sample_round(fill.next_round_size()))
     ...     if fill.full:
     ...         break
     >>> batch, metrics = fill.batch(), fill.metrics()
@@ -188,7 +190,7 @@ class GroupFill:
 
     Args:
         prompts_per_step (int): groups the step wants (``prompts_per_step``), also the prompts of
-            each round.
+            the first round and the most of any round.
         num_generations (int): G.
         runtime (Runtime): this rank and the world (a round's rows are gathered over the ranks).
         pad_id (int): filler token of rollouts padded to a common width.
@@ -203,14 +205,40 @@ class GroupFill:
         self._prompts: List[List[str]] = []
         self._spread: List[torch.Tensor] = []
 
+    def next_round_size(self) -> int:
+        """Prompts of the next round: ``prompts_per_step`` first, then the groups still missing
+        divided by the share of groups kept so far (so that the round is expected to fill the step),
+        at most ``prompts_per_step``, rounded up to whole shares of the ranks.
+
+        Example:
+            >>> fill.next_round_size()  # 44 wanted, 36 of 44 kept: 8 missing / (36 / 44) -> 10
+            10
+        """
+        if not self.rounds:
+            return self.prompts_per_step
+        missing = self.prompts_per_step - self.kept
+        if missing <= 0:
+            return 0
+        size = self.prompts_per_step
+        if self.kept:  # missing / keep rate, in integers: ceil(missing * sampled / kept)
+            size = min(size, -(-missing * self.sampled_groups // self.kept))
+        world = self.runtime.world_size  # prompts_per_step is a multiple of it: so is the rounded size
+        return -(-size // world) * world
+
+    @property
+    def sampled_groups(self) -> int:
+        """Groups (prompts) sampled so far."""
+        return int(sum(s.numel() for s in self._spread))
+
     def add(self, round_batch: ScoredRollout) -> None:
-        """Adds one round (this rank's share of ``prompts_per_step`` prompts, scored and gathered).
+        """Adds one round (this rank's share of the round's prompts, scored and gathered).
 
         Every rank calls it (the round's rows are gathered)."""
         total = round_batch.values["total"]
-        if total.numel() != self.prompts_per_step * self.num_generations:
-            raise ValueError(f"a round holds {total.numel()} completions, expected prompts_per_step x "
-                             f"num_generations = {self.prompts_per_step * self.num_generations}")
+        if total.numel() % (self.num_generations * self.runtime.world_size):
+            raise ValueError(f"a round holds {total.numel()} completions, expected whole groups of "
+                             f"num_generations={self.num_generations} in equal shares of {self.runtime.world_size} "
+                             f"ranks")
         self.rounds.append(round_batch)
         self._rollouts.append(_gather_rollout(round_batch.rollout, self.runtime, self.pad_id))
         self._prompts.append(self.runtime.all_gather_object(round_batch.prompts))
@@ -266,11 +294,13 @@ class GroupFill:
                 f"{len(self.rounds)} rounds (dynamic_sampling_max_rounds); {what}")
 
     def metrics(self) -> Dict[str, float]:
-        """``dynamic_sampling/rounds`` (sampled this step), ``dropped_groups`` (no reward spread),
+        """``dynamic_sampling/rounds`` (sampled this step), ``sampled_groups`` (prompts sampled, all
+        rounds), ``dropped_groups`` (no reward spread),
         ``surplus_groups`` (kept but beyond the step's groups), ``filled_fraction`` (groups trained on
         / ``prompts_per_step``)."""
         trained = len(self._selected())
         return {"dynamic_sampling/rounds": float(len(self.rounds)),
+                "dynamic_sampling/sampled_groups": float(self.sampled_groups),
                 "dynamic_sampling/dropped_groups": float(sum(int((~s).sum()) for s in self._spread)),
                 "dynamic_sampling/surplus_groups": float(self.kept - trained),
                 "dynamic_sampling/filled_fraction": trained / self.prompts_per_step}
