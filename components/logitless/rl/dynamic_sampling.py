@@ -13,9 +13,11 @@ trains on the groups it kept (a smaller step, said in the log and in
 ``dynamic_sampling/filled_fraction``), and when no group has a spread it takes no optimizer step.
 
 On several ranks every rank samples its share of each round (one random stream per prompt, as
-without dynamic sampling); the rounds' completions are gathered so that every rank selects the same
-groups as one device would, and each rank trains on its contiguous share of them (the kept count
-is rounded down to a multiple of the world size so that the shares are equal).
+without dynamic sampling); the rounds' completions are gathered so that every rank selects the
+groups one device would select from the same rounds, and each rank trains on its contiguous share
+of them. Shares are equal: a refill round is rounded up and a short step's kept count down to a
+multiple of the world size, so a refill can differ from one device's by up to ``world_size - 1``
+prompts (the runs then continue on other prompts).
 
 :class:`GroupFill` holds the rounds of one step; :class:`ScoredRollout` is what a round (or a
 whole step) hands to the update.
