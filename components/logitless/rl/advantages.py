@@ -103,7 +103,8 @@ def advantage_settings(cfg: Any) -> Tuple[str, str]:
         resolved = resolve_scale_rewards(scale if scale is not None else former, estimator)
     except ValueError as e:
         raise ConfigError(str(e) if scale is not None or former is None else
-                          str(e).replace("'scale_rewards'", "'advantage_scale' (the former name of scale_rewards)"))
+                          str(e).replace("'scale_rewards'", "'advantage_scale' (the former name of scale_rewards)")
+                          ) from None
     if scale is not None and former is not None and resolve_scale_rewards(scale, estimator) != former:
         raise ConfigError(f"config key 'advantage_scale': {former!r} (the former name of scale_rewards) disagrees "
                           f"with scale_rewards={scale!r}; set scale_rewards only")
