@@ -12,7 +12,8 @@ HF loads, for every family (Llama's permutation for Llama, none for Qwen2 / Qwen
 Layout written into a checkpoint folder (see docs/export.md)::
 
     config.json, model-*.safetensors, model.safetensors.index.json   the (merged) model
-    tokenizer.json, tokenizer_config.json, vocab.json, merges.txt     AutoTokenizer
+    tokenizer.json, tokenizer_config.json, vocab.json, merges.txt,    AutoTokenizer
+    chat_template.jinja (where the source has one)
     generation_config.json
     adapter/adapter_model.safetensors, adapter/adapter_config.json    PEFT adapter (LoRA runs)
 
@@ -50,7 +51,7 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json")
+                   "added_tokens.json", "chat_template.jinja")  # transformers 5 keeps the template in its own file
 HF_WEIGHTS = "model.safetensors"
 
 # Tokenizer builders whose files ship with the package.
