@@ -66,6 +66,20 @@ def test_tiny_qwen3_sft_loss_falls_and_resumes_exactly_from_its_own_folder(tmp_p
     assert json.loads((final / "config.json").read_text())["model_type"] == "qwen3"
 
 
+def test_tiny_qwen3_fsdp2_on_one_rank_trains_and_saves_as_one_device(tmp_path, one_rank_launch):
+    """FSDP2 shards the QKNormAttention layers, gathers them for the save: the same folder as one device."""
+    from full_sft_single_device import run_sft
+
+    over = dict(FAST, max_steps=3)
+    SFTRecipe(tiny("tiny_qwen3_full", tmp_path / "one", **over)).run()
+    run_sft(tiny("tiny_qwen3_full", tmp_path / "fsdp", **over), lora=False, distributed=True)
+    one, fsdp = (load_file(str(complete_checkpoints(tmp_path / d)[-1] / "model-00001-of-00001.safetensors"))
+                 for d in ("one", "fsdp"))
+    assert one.keys() == fsdp.keys()
+    for k in one:
+        torch.testing.assert_close(fsdp[k], one[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_tiny_qwen3_lora_sft_exports_a_peft_adapter_for_qwen3(tmp_path, peft_usable):
     import peft
 
