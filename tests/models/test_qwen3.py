@@ -6,7 +6,7 @@ import torch
 from torchtune.modules import TiedLinear
 
 from logitless.datasets import asset_path
-from logitless.models import (HFCheckpointer, QWEN3_ARCHS, TINY_QWEN3_CONFIG, from_hf, hf_config_from_model,
+from logitless.models import (HFCheckpointer, TINY_QWEN3_CONFIG, from_hf, hf_config_from_model,
                               lora_qwen3, lora_qwen3_0_6b, lora_qwen3_8b, qwen3, qwen3_0_6b, qwen3_14b, qwen3_1_7b,
                               qwen3_32b, qwen3_4b, qwen3_8b, qwen3_tiny)
 from logitless.modules import QKNormAttention

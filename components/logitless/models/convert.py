@@ -122,9 +122,6 @@ def hf_to_tune_converter(model_type: str, arch: Mapping[str, int], *, tie_word_e
     if model_type == "QWEN3":
         return lambda sd: qwen3_hf_to_tune(sd, tie_word_embeddings=tie_word_embeddings)
 
-    def llama(sd):
-        out = convert_weights.hf_to_tune({k: v for k, v in sd.items()
-                                          if not (tie_word_embeddings and k == "lm_head.weight")}, **kw)
-        return out
-
-    return llama
+    # a tied checkpoint may still store lm_head.weight; the tied model has no output.weight to take it
+    return lambda sd: convert_weights.hf_to_tune(
+        {k: v for k, v in sd.items() if not (tie_word_embeddings and k == "lm_head.weight")}, **kw)
