@@ -516,3 +516,16 @@ def test_on_save_error_continue_trains_on_and_saves_at_the_next_save(repo_cwd, t
     assert (f"could not write checkpoint step_000002 to {out}: no space left on device (OSError: [Errno 28] No space "
             f"left on device)") in text and "Training goes on (on_save_error=continue)" in text
     assert f"Final model (step 3): {out / 'step_000003'}" in text
+
+
+def test_on_save_error_is_validated(tmp_path):
+    from logitless.rl.config import validate_grpo_config
+
+    expected = r"config key 'on_save_error': expected one of \['stop', 'continue'\], got 'retry'"
+    with pytest.raises(ConfigError, match=expected):
+        validate_sft_config(tiny_config("tiny_full", tmp_path, on_save_error="retry"))
+    gcfg = OmegaConf.load(REPO / "configs" / "tiny_grpo.yaml")
+    gcfg.on_save_error = "retry"
+    with pytest.raises(ConfigError, match=expected):
+        validate_grpo_config(gcfg)
+    assert validate_sft_config(tiny_config("tiny_full", tmp_path)).on_save_error == "stop"
