@@ -30,6 +30,7 @@ from logitless.training.builders import (build_checkpoint_manager, build_model_w
 from logitless.training.cli import report_errors
 from logitless.training.dataloader import batch_to_device
 from logitless.training.distributed import free_finished_run
+from logitless.training.interrupt import exit_on_interrupt
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import check_device
 from logitless.training.progress import ProgressBar, StepTimer, is_due, peak_memory_gib
@@ -152,9 +153,12 @@ class SFTRecipe:
 
 @report_errors
 def run_sft(cfg: DictConfig, *, lora: bool, distributed: bool) -> None:
-    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
-    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
-    SFTRecipe(cfg, lora=lora, distributed=distributed).run()
+    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
+    Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
+    before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    recipe = SFTRecipe(cfg, lora=lora, distributed=distributed)
+    with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
+        recipe.run()
     free_finished_run()
 
 

@@ -43,6 +43,7 @@ from logitless.training.builders import (build_checkpoint_manager, build_model_w
 from logitless.training.cli import report_errors
 from logitless.training.distributed import free_finished_run, launched_world_size
 from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops
+from logitless.training.interrupt import exit_on_interrupt
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import NonFiniteGuard
 from logitless.training.preflight import check_device
@@ -219,9 +220,12 @@ class GRPORecipe:
 
 @report_errors
 def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
-    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
-    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
-    GRPORecipe(cfg, distributed=distributed).run()
+    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
+    Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
+    before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    recipe = GRPORecipe(cfg, distributed=distributed)
+    with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
+        recipe.run()
     free_finished_run()
 
 
