@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from torchtune import config
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
+from logitless.first_start import use_persistent_compile_cache
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
                                          setup_process, wrap_model)
 from logitless.training.cli import report_errors
@@ -156,6 +157,7 @@ def run_sft(cfg: DictConfig, *, lora: bool, distributed: bool) -> None:
     """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
     Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
     before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    use_persistent_compile_cache()  # compiled code is kept across runs (logitless.first_start)
     recipe = SFTRecipe(cfg, lora=lora, distributed=distributed)
     with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
         recipe.run()

@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 
+from logitless.first_start import use_persistent_compile_cache
 from logitless.rl.advantages import group_advantages
 from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
@@ -223,6 +224,7 @@ def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
     """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
     Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
     before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    use_persistent_compile_cache()  # compiled code is kept across runs (logitless.first_start)
     recipe = GRPORecipe(cfg, distributed=distributed)
     with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
         recipe.run()
