@@ -22,7 +22,7 @@ from typing import List
 import logitless  # noqa: F401, I001
 import torch
 from omegaconf import DictConfig
-from torchtune import config
+from torchtune import config, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
 from logitless.first_start import use_persistent_compile_cache
@@ -76,7 +76,9 @@ class SFTRecipe:
         self.model = build_model_with_weights(cfg, self.ckpt, device=self.device, dtype=self.dtype, seed=self.seed,
                                               lora=self.lora, resume_dir=self.start.checkpoint)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.objective = SFTObjective(self.model, self.loss_fn)  # calls loss_fn.set_model_output(model)
+        # calls loss_fn.set_model_output(model); activation offloading around the model's forward, as torchtune's
+        self.objective = SFTObjective(self.model, self.loss_fn, activations=training.get_act_offloading_ctx_manager(
+            self.model, cfg.enable_activation_offloading))
         wrap_model(self.model, cfg, self.runtime)  # activation checkpointing, compile, FSDP2
         self.dataloader, self.steps_per_epoch, self.total_steps = build_sft_dataloader(
             cfg, self.dataset, self.tokenizer, self.runtime,
