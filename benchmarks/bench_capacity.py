@@ -379,7 +379,7 @@ def summary(rows: List[dict]) -> List[str]:
         best = next((r for r in mine if r["longest"]), None)
         misses = sorted(r["seq_len"] for r in mine if r["status"] == "OOM")
         skipped = [r for r in mine if r["status"].startswith("skipped")]
-        miss = str(misses[0]) if misses else (skipped[0]["status"] if skipped else "none tried")
+        miss = str(misses[0]) if misses else (skipped[0]["status"] if skipped else "none up to --max-tokens")
         if best is None:
             lines.append(f"{key[0]:>5} {key[1]:<4} {key[2]:<27} {str(key[3]):<7} {'< ' + str(mine[0]['seq_len']):>8} "
                          f"{'':>9} {'':>8}  {miss}")
