@@ -35,13 +35,16 @@ run's budget would be passed. A skipped length is recorded as such, never as a f
     python benchmarks/bench_capacity.py --models 1.5b --losses torchtune_chunked --bisect --min-tokens 65536 \\
         --max-tokens 131072                                   # bisect where the doubling stopped
     python benchmarks/bench_capacity.py --quick                # tiny model on CPU, simulated memory limit
+    python benchmarks/bench_capacity.py --plot-csv benchmarks/results/capacity_nvidia_h100_80gb_hbm3.csv
 
 Appends one row per trial to ``benchmarks/results/capacity_<gpu>.csv`` (GPU name and memory, torch,
 triton, torchtune and liger versions, date in every row), prints the longest fitting length per model
-and loss, and with ``--plot`` draws peak memory against length (``capacity_<gpu>.png``, matplotlib).
+and loss, and with ``--plot`` draws peak memory against length (``capacity_<gpu>.png``, matplotlib;
+``--plot-csv`` draws every run of a CSV).
 """
 
 import argparse
+import csv
 import datetime
 import gc
 import importlib.metadata
@@ -389,8 +392,22 @@ def summary(rows: List[dict]) -> List[str]:
     return lines
 
 
+def read_rows(path: Path) -> List[dict]:
+    """The rows of a capacity CSV, with numbers and flags parsed back."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        r["seq_len"] = int(r["seq_len"])
+        for k in ("peak_gib", "step_s", "gpu_memory_gib"):
+            r[k] = float(r[k]) if r[k] not in ("", None) else float("nan")
+        r["memory_limit_gib"] = float(r["memory_limit_gib"]) if r["memory_limit_gib"] else None
+        r["offload"] = r["offload"] == "True"
+    return rows
+
+
 def plot(rows: List[dict], path: Path) -> None:
-    """Peak memory against sequence length, one panel per model, one line per loss (needs matplotlib)."""
+    """Peak memory against sequence length, one panel per model, one line per loss and mode (with
+    activation offloading: dashed); needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,12 +416,13 @@ def plot(rows: List[dict], path: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for loss in dict.fromkeys(r["loss"] for r in rows if r["model"] == model):
-            ok = sorted((r["seq_len"], r["peak_gib"], r["mode"]) for r in rows
-                        if r["model"] == model and r["loss"] == loss and r["status"] == "ok")
+        for loss, mode, offload in dict.fromkeys((r["loss"], r["mode"], r["offload"]) for r in rows
+                                                  if r["model"] == model):
+            ok = sorted({r["seq_len"]: r["peak_gib"] for r in rows if r["status"] == "ok" and r["model"] == model
+                         and (r["loss"], r["mode"], r["offload"]) == (loss, mode, offload)}.items())
             if ok:
-                ax.plot([n / 1024 for n, _, _ in ok], [p for _, p, _ in ok], marker="o",
-                        label=f"{loss} ({ok[0][2]})")
+                ax.plot([n / 1024 for n, _ in ok], [p for _, p in ok], marker="o", linestyle="--" if offload else "-",
+                        label=f"{loss} ({mode}{', offload' if offload else ''})")
         memory = rows[0]["memory_limit_gib"] or rows[0]["gpu_memory_gib"]
         if memory == memory:  # not NaN
             ax.axhline(memory, color="grey", linestyle="--", linewidth=1)
@@ -413,8 +431,7 @@ def plot(rows: List[dict], path: Path) -> None:
         ax.set_ylabel("peak allocated (GiB)")
         ax.set_title(f"Qwen2.5-{model}" if model != "tiny" else "tiny")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Longest trainable sequence, {rows[0]['gpu']}, activation checkpointing"
-                 f"{', activation offloading' if rows[0]['offload'] else ''}")
+    fig.suptitle(f"Peak memory of one training step, batch 1, activation checkpointing, {rows[0]['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -440,7 +457,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="count a step peaking above this as not fitting (emulates a smaller GPU)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--out", type=Path, default=None, help="CSV (default benchmarks/results/capacity_<gpu>.csv)")
-    p.add_argument("--plot", action="store_true", help="also draw the CSV's name with .png")
+    p.add_argument("--plot", action="store_true", help="also draw this run's rows (the CSV's name with .png)")
+    p.add_argument("--plot-csv", type=Path, default=None,
+                   help="only draw every row of this capacity CSV (its name with .png); no GPU work")
     p.add_argument("--quick", action="store_true",
                    help="tiny model on CPU, lengths 8-64, a simulated 1 MiB per token under --memory-limit-gib")
     a = p.parse_args(argv)
@@ -469,6 +488,10 @@ def main(argv: Optional[Sequence[str]] = None, *, meter=None, log: Callable[[str
     import torch
 
     a = parse_args(argv)
+    if a.plot_csv is not None:
+        plot(read_rows(a.plot_csv), a.plot_csv.with_suffix(".png"))
+        log(f"plot: {a.plot_csv.with_suffix('.png')}")
+        return []
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if a.offload and device.type != "cuda":
         raise SystemExit("--offload: torchtune's activation offloading needs a CUDA device")

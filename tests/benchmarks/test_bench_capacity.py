@@ -112,6 +112,13 @@ def test_tiny_model_trials_recover_from_out_of_memory_and_write_the_csv(bench, t
     assert {r["torch"] for r in written} == {torch.__version__} and all(r["date"] and r["torchtune"] for r in written)
     assert any(line.split()[:4] == ["tiny", "full", "logitless_fused", "False"] and line.split()[4] == "20"
                for line in logged), logged
+    back = bench.read_rows(out)  # what --plot-csv draws
+    assert [(r["loss"], r["seq_len"], r["status"], r["offload"]) for r in back] == [
+        (r["loss"], r["seq_len"], r["status"], r["offload"]) for r in rows]
+    assert all(r["peak_gib"] == pytest.approx(w["peak_gib"]) for r, w in zip(back, rows) if w["status"] == "ok")
+    pytest.importorskip("matplotlib")
+    bench.main(["--plot-csv", str(out)], log=logged.append)
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_a_peak_over_the_memory_limit_counts_as_not_fitting(bench, tmp_path):
