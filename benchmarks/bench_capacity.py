@@ -414,7 +414,7 @@ def plot(rows: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(7, 5 * len(models)), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         for loss, mode, offload in dict.fromkeys((r["loss"], r["mode"], r["offload"]) for r in rows
                                                   if r["model"] == model):
@@ -431,7 +431,7 @@ def plot(rows: List[dict], path: Path) -> None:
         ax.set_ylabel("peak allocated (GiB)")
         ax.set_title(f"Qwen2.5-{model}" if model != "tiny" else "tiny")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Peak memory of one training step, batch 1, activation checkpointing, {rows[0]['gpu']}")
+    fig.suptitle(f"Peak memory of one training step (batch 1, activation checkpointing)\n{rows[0]['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

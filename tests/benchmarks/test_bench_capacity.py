@@ -116,17 +116,21 @@ def test_tiny_model_trials_recover_from_out_of_memory_and_write_the_csv(bench, t
     assert [(r["loss"], r["seq_len"], r["status"], r["offload"]) for r in back] == [
         (r["loss"], r["seq_len"], r["status"], r["offload"]) for r in rows]
     assert all(r["peak_gib"] == pytest.approx(w["peak_gib"]) for r, w in zip(back, rows) if w["status"] == "ok")
-    pytest.importorskip("matplotlib")
-    bench.main(["--plot-csv", str(out)], log=logged.append)
-    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_a_peak_over_the_memory_limit_counts_as_not_fitting(bench, tmp_path):
+    out = tmp_path / "c.csv"
     rows = bench.main(["--models", "tiny", "--losses", "logitless_fused", "--device", "cpu", "--impl", "chunked",
                        "--min-tokens", "8", "--max-tokens", "16", "--resolution", "8", "--warmup", "0",
-                       "--memory-limit-gib", str(12 / 1024), "--out", str(tmp_path / "c.csv")],
+                       "--memory-limit-gib", str(12 / 1024), "--out", str(out)],
                       meter=bench.SimulatedMeter(static_gib=0.0, gib_per_token=1 / 1024), log=lambda line: None)
     assert [(r["seq_len"], r["status"], r["longest"]) for r in rows] == [(8, "ok", True), (16, "OOM", False)]
+    try:
+        import matplotlib  # noqa: F401  (on the GPU machines; not a dependency)
+    except ImportError:
+        return
+    bench.main(["--plot-csv", str(out)], log=lambda line: None)
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_bad_arguments_are_named(bench, capsys):
