@@ -163,6 +163,7 @@ def run_sft(cfg: DictConfig, *, lora: bool, distributed: bool) -> None:
     recipe = SFTRecipe(cfg, lora=lora, distributed=distributed)
     with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
         recipe.run()
+    del recipe  # nothing may hold the finished run when free_finished_run collects its reference cycles
     free_finished_run()
 
 

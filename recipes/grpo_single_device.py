@@ -228,6 +228,7 @@ def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
     recipe = GRPORecipe(cfg, distributed=distributed)
     with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
         recipe.run()
+    del recipe  # nothing may hold the finished run when free_finished_run collects its reference cycles
     free_finished_run()
 
 
