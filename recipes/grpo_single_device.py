@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from torchtune.utils import get_logger
 
+from logitless.first_start import use_persistent_compile_cache
 from logitless.rl.advantages import advantage_settings, compute_advantages
 from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
@@ -53,6 +54,7 @@ from logitless.training.builders import (build_checkpoint_manager, build_model_w
 from logitless.training.cli import report_errors
 from logitless.training.distributed import free_finished_run, launched_world_size
 from logitless.training.flops import DecoderFlops, mfu, peak_bf16_flops
+from logitless.training.interrupt import exit_on_interrupt
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.nonfinite import NonFiniteGuard
 from logitless.training.preflight import check_device
@@ -299,9 +301,14 @@ class GRPORecipe:
 
 @report_errors
 def run_grpo(cfg: DictConfig, *, distributed: bool) -> None:
-    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
-    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
-    GRPORecipe(cfg, distributed=distributed).run()
+    """Runs :class:`GRPORecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
+    Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
+    before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    use_persistent_compile_cache()  # compiled code is kept across runs (logitless.first_start)
+    recipe = GRPORecipe(cfg, distributed=distributed)
+    with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
+        recipe.run()
+    del recipe  # nothing may hold the finished run when free_finished_run collects its reference cycles
     free_finished_run()
 
 

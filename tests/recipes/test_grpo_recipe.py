@@ -65,6 +65,22 @@ def test_cli_end_to_end(tmp_path):
     assert (tmp_path / "step_000002" / "recipe_state.pt").is_file()
 
 
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path, ctrl_c):
+    small = [o for o in SMALL if not o.startswith("eval_every")]
+    args = ["run", "grpo_single_device", "--config", str(ROOT / "configs/tiny_grpo.yaml"), "max_steps=200",
+            "save_every_n_steps=1", "keep_last_n_checkpoints=2", "eval_every_n_steps=null", *small]
+    status, log, reports = ctrl_c(args, tmp_path / "run", after_step=1)
+    assert status == 130, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    from logitless.training import complete_checkpoints
+
+    newest = complete_checkpoints(tmp_path / "run")[-1]
+    (report,) = reports  # one line, naming the newest complete checkpoint
+    assert log.count("Interrupted") == 1 and report[1] == newest, log[-3000:]
+    assert 1 <= int(newest.name[5:]) <= report[0] < 200
+
+
 LORA = ["model._component_=logitless.models.lora_qwen2_5_tiny", "model.lora_attn_modules=[q_proj,v_proj]",
         "model.lora_rank=4", "model.lora_alpha=8", "optimizer.lr=1e-2", "loss.beta=0.05"]
 
