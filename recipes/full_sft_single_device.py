@@ -22,18 +22,21 @@ from typing import List
 import logitless  # noqa: F401, I001
 import torch
 from omegaconf import DictConfig
-from torchtune import config
+from torchtune import config, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
+from logitless.first_start import use_persistent_compile_cache
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
                                          setup_process, wrap_model)
 from logitless.training.cli import report_errors
 from logitless.training.dataloader import batch_to_device
 from logitless.training.distributed import free_finished_run
+from logitless.training.interrupt import exit_on_interrupt
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import check_device
 from logitless.training.progress import ProgressBar, StepTimer, is_due, peak_memory_gib
 from logitless.training.resume import start_run
+from logitless.training.run_lock import OutputDirLock
 from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
 from logitless.training.sft import SFTObjective
 from logitless.training.sft_config import SFT_FIXED_ON_RESUME, validate_sft_config
@@ -59,13 +62,16 @@ class SFTRecipe:
         check_device(self.cfg.device)
         self.lora, self.distributed = lora, distributed
         self.name = ("lora" if lora else "full") + "_sft_" + ("distributed" if distributed else "single_device")
+        self.output_lock = OutputDirLock(self.cfg.output_dir)  # taken in setup(), held until the run ends
         self.losses: List[float] = []  # loss of every optimizer step run by this process
 
     def setup(self) -> None:
-        """Builds everything from the config, in an order that fails early: config and data checks
-        claim no output folder, and the folder and resume are settled before the model is built."""
+        """Builds everything from the config, in an order that fails early: output_dir is locked
+        first (another process writing there stops the run at once), config and data checks claim no
+        output folder, and the folder and resume are settled before the model is built."""
         cfg = self.cfg
         self.runtime, self.dtype, self.seed = setup_process(cfg, distributed=self.distributed)
+        self.output_lock.acquire(self.runtime)  # one run per output_dir (rank 0 holds it for the job)
         self.device = self.runtime.device
         self.tokenizer, self.dataset = build_sft_dataset(cfg, log=self.runtime.is_rank_zero)
         # output_dir ownership, verified checkpoint, config changes: decided before the model is built
@@ -74,7 +80,9 @@ class SFTRecipe:
         self.model = build_model_with_weights(cfg, self.ckpt, device=self.device, dtype=self.dtype, seed=self.seed,
                                               lora=self.lora, resume_dir=self.start.checkpoint)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.objective = SFTObjective(self.model, self.loss_fn)  # calls loss_fn.set_model_output(model)
+        # calls loss_fn.set_model_output(model); activation offloading around the model's forward, as torchtune's
+        self.objective = SFTObjective(self.model, self.loss_fn, activations=training.get_act_offloading_ctx_manager(
+            self.model, cfg.enable_activation_offloading))
         wrap_model(self.model, cfg, self.runtime)  # activation checkpointing, compile, FSDP2
         self.dataloader, self.steps_per_epoch, self.total_steps = build_sft_dataloader(
             cfg, self.dataset, self.tokenizer, self.runtime,
@@ -141,20 +149,30 @@ class SFTRecipe:
     def cleanup(self) -> None:
         self.metric_logger.close()
         self.runtime.shutdown()
+        self.output_lock.release()
 
     def run(self) -> List[float]:
-        """``setup()``, ``train()``, ``cleanup()``; returns the loss of every optimizer step this process ran."""
-        self.setup()
-        self.train()
-        self.cleanup()
+        """``setup()``, ``train()``, ``cleanup()``; returns the loss of every optimizer step this process ran.
+        ``output_dir`` is unlocked however the run ends."""
+        try:
+            self.setup()
+            self.train()
+            self.cleanup()
+        finally:
+            self.output_lock.release()
         return self.losses
 
 
 @report_errors
 def run_sft(cfg: DictConfig, *, lora: bool, distributed: bool) -> None:
-    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
-    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
-    SFTRecipe(cfg, lora=lora, distributed=distributed).run()
+    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
+    Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
+    before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    use_persistent_compile_cache()  # compiled code is kept across runs (logitless.first_start)
+    recipe = SFTRecipe(cfg, lora=lora, distributed=distributed)
+    with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
+        recipe.run()
+    del recipe  # nothing may hold the finished run when free_finished_run collects its reference cycles
     free_finished_run()
 
 

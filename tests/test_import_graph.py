@@ -142,10 +142,10 @@ def test_the_package_imports_nothing_outside_it(outside):
 
 
 def test_ops_and_modules_import_nothing_above_them():
-    """The head's ops import only ops (and the shared settings and platform helpers); the model wrapper
-    imports ops and itself: the layering docs/architecture.md draws."""
-    allowed = {"ops": ("logitless.ops", "logitless.settings", "logitless._platform"),
-               "modules": ("logitless.ops", "logitless.modules", "logitless.settings", "logitless._platform")}
+    """The head's ops import only ops (and the shared settings, platform and first-start helpers); the
+    model wrapper imports ops and itself: the layering docs/architecture.md draws."""
+    shared = ("logitless.settings", "logitless._platform", "logitless.first_start")
+    allowed = {"ops": ("logitless.ops", *shared), "modules": ("logitless.ops", "logitless.modules", *shared)}
     for room, prefixes in allowed.items():
         for m in (m for m in MODULES if m.startswith(f"logitless.{room}")):
             above = [t for t in TOP[m] | INNER[m] if not t.startswith(prefixes)]

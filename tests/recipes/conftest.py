@@ -2,9 +2,12 @@
 
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -24,22 +27,57 @@ def tune_cli():
 
     recipes/ and components/ go on the path, so the recipes run even without ``pip install -e .``.
 
-    ``cwd`` runs it from another folder; ``env`` values of None remove that variable.
+    ``cwd`` runs it from another folder; ``env`` values of None remove that variable; ``log`` (a file
+    path) takes its output instead of a pipe (a long run fills a pipe that nobody reads and blocks).
 
     Example:
         >>> p = tune_cli(["run", "grpo_single_device", "--config", "configs/tiny_grpo.yaml"], tmp_path)
         >>> log = p.communicate(timeout=300)[0]
     """
-    def launch(args, out, env=None, cwd=REPO):
+    def launch(args, out, env=None, cwd=REPO, log=None):
         path = os.pathsep.join([str(REPO / "recipes"), str(REPO / "components"), os.environ.get("PYTHONPATH", "")])
         # A free rendezvous port per launch (torchrun reads PET_MASTER_PORT): back-to-back
         # multi-process runs on the default 29500 can collide with a port still held by the last one.
         full_env = {**os.environ, "PYTHONPATH": path, "PET_MASTER_PORT": str(_free_port()), **(env or {})}
-        return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
-                                cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={k: v for k, v in full_env.items() if v is not None})
+        stdout = subprocess.PIPE if log is None else open(log, "w")
+        try:
+            return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
+                                    cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                                    env={k: v for k, v in full_env.items() if v is not None})
+        finally:
+            if log is not None:
+                stdout.close()  # the child has its own copy
 
     return launch
+
+
+#: The line a recipe prints when Ctrl-C stops it (logitless.training.interrupt).
+INTERRUPTED_LINE = re.compile(r"Interrupted after step (\d+); last checkpoint: (\S+) "
+                              r"\(resume with resume_from_checkpoint=auto\)")
+
+
+@pytest.fixture
+def ctrl_c(tune_cli):
+    """``ctrl_c(args, out, after_step)``: starts ``tune run ARGS`` like :func:`tune_cli`, sends it SIGINT
+    (what Ctrl-C sends) once ``out`` holds the complete checkpoint of step ``after_step``, and returns
+    ``(exit status, output, reports)``: ``reports`` holds ``(steps done, checkpoint path)`` of every
+    output line ``Interrupted after step N; last checkpoint: PATH (resume with ...)``."""
+    from logitless.training import complete_checkpoints
+    from logitless.training.checkpoint import checkpoint_step
+
+    def interrupt(args, out, after_step):
+        p = tune_cli(args, out)
+        deadline = time.time() + 300
+        while p.poll() is None and time.time() < deadline:
+            if any(checkpoint_step(d) >= after_step for d in complete_checkpoints(out)):
+                break
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        log = p.communicate(timeout=300)[0]
+        reports = [(int(m.group(1)), pathlib.Path(m.group(2))) for m in INTERRUPTED_LINE.finditer(log)]
+        return p.returncode, log, reports
+
+    return interrupt
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ from logitless.generation.result import Rollout, left_pad
 from logitless.generation.sampling import (RandomSource, check_random_source, check_sampling_args, row_keys,
                                            sample_next)
 from logitless.generation.trunk import decoding_layer
+from logitless.first_start import note_compile
 
 __all__ = ["CompiledSampler", "SHARED_PROMPT_MIN_ELEMENTS", "SHARED_PROMPT_MIN_ROWS", "SHARED_PROMPT_MIN_WIDTH",
            "generate"]
@@ -209,6 +210,8 @@ class CompiledSampler:
             # (tests/generation/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
+            graphs = mode == "reduce-overhead" or bool((options or {}).get("triton.cudagraphs"))
+            note_compile("the sampler's decode step" + (" and its CUDA graphs (one per batch size)" if graphs else ""))
             self._compiled = torch.compile(decode_step, backend=self.config.backend, mode=mode, options=options,
                                            dynamic=None if self.config.compaction or self.config.attention_window else False)
         return self._compiled

@@ -1,6 +1,8 @@
-"""What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention."""
+"""What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention,
+and the attention variant torchtune 0.6.1 lacks (per-head q/k norms before the rotary embedding)."""
 
 # Public: __all__ (docs/CONTRACT.md). The other names are internal, imported here for the recipes and tests.
+from logitless.modules.attention import QKNormAttention
 from logitless.modules.cascade_attention import (
     CascadeLayout,
     cascade_attention,
