@@ -84,8 +84,9 @@ class GRPORecipe:
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
-        limits = dict(max_seq_len=self.sampler.max_seq_len, max_new_tokens=self.sampler.max_new_tokens,
-                      log=self.runtime.is_rank_zero)  # every prompt must fit the sampler's length limit
+        # every prompt must hold the values its rewards read and fit the sampler's length limit
+        limits = dict(rewards=self.rewards, max_seq_len=self.sampler.max_seq_len,
+                      max_new_tokens=self.sampler.max_new_tokens, log=self.runtime.is_rank_zero)
         self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
         self.eval_dataset = fit_prompts(self.eval_dataset, "eval_dataset", cfg, **limits)
         # output_dir ownership, verified checkpoint, config changes: decided before the policy is built

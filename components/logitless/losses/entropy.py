@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from logitless.losses._base import ModelOutput, TokenMeanLoss, label_chunks, logit_chunks
+from logitless.losses._base import ModelOutput, TokenMeanLoss, check_num_output_chunks, label_chunks, logit_chunks
 from logitless.modules import HeadInput
 from logitless.ops import _validate, linear_log_probs
 
@@ -41,6 +41,7 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
         chunk_size: Optional[int] = None,
     ):
         super().__init__()
+        check_num_output_chunks(num_output_chunks)
         _validate.check_temperature(temperature)
         impl = _validate.canonical_impl(impl)
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
