@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from logitless.datasets._files import local_data_files
+from logitless.training.config import LOCAL_DATASET_LOADERS
 
 #: The config-summary key the fingerprints are compared under (``resume_allow_changes: [data_fingerprint]``).
 FINGERPRINT_KEY = "data_fingerprint"
@@ -55,7 +56,8 @@ def data_files_of(node: Any) -> List[str]:
         return []
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     files = local_data_files(values.get("data_files"))
-    for folder in (values.get("data_dir"), values.get("source")):
+    source = values.get("source")
+    for folder in (values.get("data_dir"), None if source in LOCAL_DATASET_LOADERS else source):
         if isinstance(folder, str) and os.path.exists(folder):
             files += [folder] if os.path.isfile(folder) else sorted(
                 os.path.join(root, f) for root, _, names in os.walk(folder) for f in names)
