@@ -34,6 +34,7 @@ from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import check_device
 from logitless.training.progress import ProgressBar, StepTimer, is_due, peak_memory_gib
 from logitless.training.resume import start_run
+from logitless.training.run_lock import OutputDirLock
 from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
 from logitless.training.sft import SFTObjective
 from logitless.training.sft_config import SFT_FIXED_ON_RESUME, validate_sft_config
@@ -59,13 +60,16 @@ class SFTRecipe:
         check_device(self.cfg.device)
         self.lora, self.distributed = lora, distributed
         self.name = ("lora" if lora else "full") + "_sft_" + ("distributed" if distributed else "single_device")
+        self.output_lock = OutputDirLock(self.cfg.output_dir)  # taken in setup(), held until the run ends
         self.losses: List[float] = []  # loss of every optimizer step run by this process
 
     def setup(self) -> None:
-        """Builds everything from the config, in an order that fails early: config and data checks
-        claim no output folder, and the folder and resume are settled before the model is built."""
+        """Builds everything from the config, in an order that fails early: output_dir is locked
+        first (another process writing there stops the run at once), config and data checks claim no
+        output folder, and the folder and resume are settled before the model is built."""
         cfg = self.cfg
         self.runtime, self.dtype, self.seed = setup_process(cfg, distributed=self.distributed)
+        self.output_lock.acquire(self.runtime)  # one run per output_dir (rank 0 holds it for the job)
         self.device = self.runtime.device
         self.tokenizer, self.dataset = build_sft_dataset(cfg, log=self.runtime.is_rank_zero)
         # output_dir ownership, verified checkpoint, config changes: decided before the model is built
@@ -141,12 +145,17 @@ class SFTRecipe:
     def cleanup(self) -> None:
         self.metric_logger.close()
         self.runtime.shutdown()
+        self.output_lock.release()
 
     def run(self) -> List[float]:
-        """``setup()``, ``train()``, ``cleanup()``; returns the loss of every optimizer step this process ran."""
-        self.setup()
-        self.train()
-        self.cleanup()
+        """``setup()``, ``train()``, ``cleanup()``; returns the loss of every optimizer step this process ran.
+        ``output_dir`` is unlocked however the run ends."""
+        try:
+            self.setup()
+            self.train()
+            self.cleanup()
+        finally:
+            self.output_lock.release()
         return self.losses
 
 

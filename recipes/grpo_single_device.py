@@ -48,6 +48,7 @@ from logitless.training.nonfinite import NonFiniteGuard
 from logitless.training.preflight import check_device
 from logitless.training.progress import ProgressBar, busiest_rank_peak_memory_gib, is_due
 from logitless.training.resume import start_run
+from logitless.training.run_lock import OutputDirLock
 from logitless.training.run_state import restore_training_state, save_checkpoint, training_state
 
 
@@ -71,14 +72,17 @@ class GRPORecipe:
         self.is_lora = "lora_rank" in cfg.model
         self.prompt_sharing = use_prompt_sharing(cfg.prompt_sharing, micro_batch_size=cfg.micro_batch_size,
                                                  num_generations=cfg.num_generations)
+        self.output_lock = OutputDirLock(self.cfg.output_dir)  # taken in setup(), held until the run ends
         self.history: List[Dict[str, float]] = []  # metrics of every step this process ran
 
     def setup(self) -> None:
-        """Builds everything from the config, in an order that fails early: prompts, rewards and
-        sampler are checked before the output folder is claimed, the folder and resume before the
-        policy is built."""
+        """Builds everything from the config, in an order that fails early: output_dir is locked
+        first (another process writing there stops the run at once), prompts, rewards and sampler
+        are checked before the output folder is claimed, the folder and resume before the policy is
+        built."""
         cfg = self.cfg
         self.runtime, self.dtype, self.seed = setup_process(cfg, distributed=self.distributed)
+        self.output_lock.acquire(self.runtime)  # one run per output_dir (rank 0 holds it for the job)
         self.device = self.runtime.device
         self.tokenizer, self.dataset, self.eval_dataset = build_prompt_datasets(cfg)
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
@@ -209,12 +213,17 @@ class GRPORecipe:
     def cleanup(self) -> None:
         self.metric_logger.close()
         self.runtime.shutdown()
+        self.output_lock.release()
 
     def run(self) -> List[Dict[str, float]]:
-        """``setup()``, ``train()``, ``cleanup()``; returns the metrics of every step this process ran."""
-        self.setup()
-        self.train()
-        self.cleanup()
+        """``setup()``, ``train()``, ``cleanup()``; returns the metrics of every step this process ran.
+        ``output_dir`` is unlocked however the run ends."""
+        try:
+            self.setup()
+            self.train()
+            self.cleanup()
+        finally:
+            self.output_lock.release()
         return self.history
 
 

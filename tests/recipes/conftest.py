@@ -24,20 +24,26 @@ def tune_cli():
 
     recipes/ and components/ go on the path, so the recipes run even without ``pip install -e .``.
 
-    ``cwd`` runs it from another folder; ``env`` values of None remove that variable.
+    ``cwd`` runs it from another folder; ``env`` values of None remove that variable; ``log`` (a file
+    path) takes its output instead of a pipe (a long run fills a pipe that nobody reads and blocks).
 
     Example:
         >>> p = tune_cli(["run", "grpo_single_device", "--config", "configs/tiny_grpo.yaml"], tmp_path)
         >>> log = p.communicate(timeout=300)[0]
     """
-    def launch(args, out, env=None, cwd=REPO):
+    def launch(args, out, env=None, cwd=REPO, log=None):
         path = os.pathsep.join([str(REPO / "recipes"), str(REPO / "components"), os.environ.get("PYTHONPATH", "")])
         # A free rendezvous port per launch (torchrun reads PET_MASTER_PORT): back-to-back
         # multi-process runs on the default 29500 can collide with a port still held by the last one.
         full_env = {**os.environ, "PYTHONPATH": path, "PET_MASTER_PORT": str(_free_port()), **(env or {})}
-        return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
-                                cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={k: v for k, v in full_env.items() if v is not None})
+        stdout = subprocess.PIPE if log is None else open(log, "w")
+        try:
+            return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
+                                    cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                                    env={k: v for k, v in full_env.items() if v is not None})
+        finally:
+            if log is not None:
+                stdout.close()  # the child has its own copy
 
     return launch
 

@@ -244,6 +244,21 @@ def test_another_runs_folder_and_changed_group_size_are_refused_before_the_polic
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+
+def test_a_locked_output_dir_stops_grpo_before_anything_is_built(tmp_path, monkeypatch):
+    from logitless.training.run_lock import OutputDirInUseError, OutputDirLock
+
+    def fail(*a, **k):
+        raise AssertionError("something was built while another run held output_dir")
+
+    monkeypatch.setattr(model_utils, "build_model", fail)
+    monkeypatch.setattr(sys.modules["grpo_single_device"], "build_prompt_datasets", fail)
+    with OutputDirLock(tmp_path):
+        with pytest.raises(OutputDirInUseError, match=rf"'{tmp_path}' is in use by another run: pid {os.getpid()} "):
+            GRPORecipe(tiny_cfg(tmp_path, "max_steps=1")).run()
+    assert list(tmp_path.iterdir()) == []
+
+
 REWARD_MODULE = '''
 SEEN = []
 

@@ -1,12 +1,15 @@
 """End-to-end runs of the tiny SFT configs on CPU: loss falls, checkpoints, exact resume, packing,
-LoRA adapters and merging, CLI entry points, distributed == single device."""
+LoRA adapters and merging, CLI entry points, distributed == single device; one run per output
+folder (real processes), own damaged checkpoints repaired on resume, a full disk during a save."""
 
+import errno
 import glob
 import hashlib
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import pathlib
@@ -18,9 +21,11 @@ from omegaconf import OmegaConf
 from logitless.models import lora_qwen2_5_tiny, qwen2_5_tiny
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
+import logitless.training.checkpoint as ckpt_mod
 from logitless.training import CheckpointManager, ConfigError, complete_checkpoints, read_disk_log
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import verify_checkpoint
+from logitless.training.checkpoint import MARKER, read_marker, read_run_file, verify_checkpoint
+from logitless.training.run_lock import OutputDirLock
 from full_sft_single_device import SFTRecipe, run_sft
 from logitless.training.sft_config import validate_sft_config
 
@@ -357,3 +362,170 @@ def test_max_consecutive_skipped_steps_is_validated(repo_cwd, tmp_path, value):
     with pytest.raises(ConfigError, match="max_consecutive_skipped_steps"):
         validate_grpo_config(gcfg)
     assert validate_sft_config(tiny_config("tiny_full", tmp_path)).max_consecutive_skipped_steps == 3
+
+
+def _wait(procs, timeout):
+    """The first of ``procs`` to exit, or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                return p
+        time.sleep(0.2)
+    return None
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_one_writer_per_output_dir_with_real_processes(tune_cli, tmp_path):
+    """Two `tune run` started together into one folder (both with resume_from_checkpoint=auto, other
+    settings): one trains, the other stops before building anything, naming the holder; a third
+    started while the first trains is refused too; a kill -9 leaves no stale lock."""
+    out = tmp_path / "out"
+    args = ["run", "full_sft_single_device", "--config", "configs/tiny_full.yaml", "resume_from_checkpoint=auto",
+            "batch_size=2", "gradient_accumulation_steps=1", "max_steps=100000", "save_every_n_steps=2",
+            "keep_last_n_checkpoints=2", "lr_scheduler.num_warmup_steps=1"]
+    env = {"LOGITLESS_DEBUG": ""}
+    logs = {k: tmp_path / f"{k}.log" for k in ("a", "b", "c")}
+    procs = []
+    try:
+        a = tune_cli([*args, "seed=0"], out, env=env, log=logs["a"])
+        b = tune_cli([*args, "seed=7", "optimizer.lr=1e-3"], out, env=env, log=logs["b"])
+        procs += [a, b]
+        loser = _wait([a, b], timeout=150)
+        assert loser is not None, "neither run stopped: both write into one output_dir"
+        winner = b if loser is a else a
+        text = logs["a" if loser is a else "b"].read_text()
+        assert loser.returncode == 2, text[-3000:]
+        assert f"ConfigError: config key 'output_dir': '{out}' is in use by another run: pid {winner.pid} on host " \
+               in text, text[-3000:]
+        assert "command: " in text and "tune run full_sft_single_device" in text and "Traceback" not in text
+        assert "rows kept" not in text  # it stopped before building the dataset (nor the model)
+        assert winner.poll() is None, logs["a" if winner is a else "b"].read_text()[-3000:]
+        # one started while the first is training (it has saved a checkpoint) is refused as well
+        _wait_for(lambda: complete_checkpoints(out), 120, "the first checkpoint")
+        c = tune_cli([*args, "seed=0"], out, env=env, log=logs["c"])
+        procs.append(c)
+        assert _wait([c], timeout=120) is c, "a run joined the running one"
+        text = logs["c"].read_text()
+        assert c.returncode == 2 and f"is in use by another run: pid {winner.pid}" in text, text[-3000:]
+        assert winner.poll() is None
+        os.kill(winner.pid, signal.SIGKILL)
+        winner.wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    # one writer: one log, one run id on every checkpoint, and no stale lock after kill -9
+    (log,) = (out / "logs").glob("log_*.txt")
+    assert log.read_text().count("Step 1 ") == 1
+    run_id = read_run_file(out)["run_id"]
+    assert {read_marker(d)["run_id"] for d in complete_checkpoints(out)} == {run_id}
+    assert len(read_run_file(out)["sessions"]) == 1
+    OutputDirLock(out).acquire().release()
+
+
+def test_own_damage_is_moved_aside_and_rewritten(repo_cwd, tmp_path, caplog):
+    """The user's case: with step_000008 deleted and the marker of step_000006 gone, `auto` resumed
+    from step 4 without naming step 6 and died at step 6 ("written by another run") on every resume."""
+    out = tmp_path / "out"
+    over = dict(FAST, max_steps=8, save_every_n_steps=2, keep_last_n_checkpoints=None)
+    first = SFTRecipe(tiny_config("tiny_full", out, **over)).run()
+    shutil.rmtree(out / "step_000008")
+    old_files = sorted(p.name for p in (out / "step_000006").iterdir())
+    (out / "step_000006" / MARKER).unlink()
+    with caplog.at_level(logging.INFO):
+        resumed = SFTRecipe(tiny_config("tiny_full", out, **over, resume_from_checkpoint="auto")).run()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"Skipping checkpoint {out / 'step_000006'}: {out / 'step_000006' / MARKER}: missing" in text, text
+    assert f"Resuming from {out / 'step_000004'}" in text
+    (moved,) = (out / "damaged").iterdir()  # moved aside, whole: nothing deleted
+    assert moved.name.startswith("step_000006-") and sorted(p.name for p in moved.iterdir()) == \
+        [n for n in old_files if n != MARKER]
+    assert f"Moved {out / 'step_000006'} aside to {moved}: " in text and "writes step 6 again" in text
+    # steps 5-8 redone exactly; every checkpoint of the lineage complete and verifying
+    assert resumed == first[4:]
+    assert [d.name for d in complete_checkpoints(out)] == ["step_000002", "step_000004", "step_000006", "step_000008"]
+    assert all(verify_checkpoint(d) == [] for d in complete_checkpoints(out))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 14 MiB tmpfs (one tiny_full checkpoint is 9 MiB: a second does not fit); skipped where
+    this machine does not allow mounting."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_a_save_says_so_and_leaves_nothing_partial(repo_cwd, small_tmpfs, capsys):
+    """A real full disk: torch.save reports it as 'RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos' (no errno); the run stops with one line naming it, exit status 1."""
+    out = small_tmpfs / "out"
+    with pytest.raises(SystemExit) as e:
+        run_sft(tiny_config("tiny_full", out, **dict(FAST, max_steps=2, save_every_n_steps=1)), lora=False, distributed=False)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith(f"CheckpointSaveError: could not write checkpoint step_000002 to {out}: no space left on "
+                          f"device (RuntimeError: "), err
+    for part in ("It needs about 8.", "MiB was free on that file system when the save began",
+                 f"earlier checkpoints are kept (newest: {out / 'step_000001'})", "on_save_error=stop"):
+        assert part in err, (part, err)
+    assert [d.name for d in complete_checkpoints(out)] == ["step_000001"] and verify_checkpoint(out / "step_000001") == []
+    assert sorted(p.name for p in out.iterdir()) == ["logitless_run.json", "logs", "step_000001",
+                                                     "torchtune_config.yaml"]  # no staging, no temporary file
+
+
+def test_on_save_error_continue_trains_on_and_saves_at_the_next_save(repo_cwd, tmp_path, monkeypatch, caplog):
+    """The OS error simulated (ENOSPC from the write of step 2's recipe state): with
+    on_save_error=continue the run logs it, trains on, and step 3 is saved."""
+    real_save, calls = ckpt_mod.torch.save, []
+
+    def save(obj, path, *a, **k):
+        calls.append(pathlib.Path(path).name)
+        if len(calls) == 2:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", save)
+    out = tmp_path / "out"
+    cfg = tiny_config("tiny_full", out, **dict(FAST, max_steps=3, save_every_n_steps=1, keep_last_n_checkpoints=None),
+                      on_save_error="continue")
+    with caplog.at_level(logging.INFO):
+        losses = SFTRecipe(cfg).run()
+    assert len(losses) == 3 and calls == ["recipe_state.pt"] * 3
+    assert [d.name for d in complete_checkpoints(out)] == ["step_000001", "step_000003"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (f"could not write checkpoint step_000002 to {out}: no space left on device (OSError: [Errno 28] No space "
+            f"left on device)") in text and "Training goes on (on_save_error=continue)" in text
+    assert f"Final model (step 3): {out / 'step_000003'}" in text
+
+
+def test_on_save_error_is_validated(tmp_path):
+    from logitless.rl.config import validate_grpo_config
+
+    expected = r"config key 'on_save_error': expected one of \['stop', 'continue'\], got 'retry'"
+    with pytest.raises(ConfigError, match=expected):
+        validate_sft_config(tiny_config("tiny_full", tmp_path, on_save_error="retry"))
+    gcfg = OmegaConf.load(REPO / "configs" / "tiny_grpo.yaml")
+    gcfg.on_save_error = "retry"
+    with pytest.raises(ConfigError, match=expected):
+        validate_grpo_config(gcfg)
+    assert validate_sft_config(tiny_config("tiny_full", tmp_path)).on_save_error == "stop"

@@ -192,7 +192,7 @@ def test_a_reward_column_the_dataset_lacks_fails_before_the_policy_is_built(cfg,
     with pytest.raises(ConfigError, match=rf"config key 'rewards\[0\].function': 'math_correctness' reads the column "
                                           rf"'answer', which dataset \({path}\) does not have; its columns are "
                                           rf"\['a', 'b'\]"):
-        GRPORecipe(cfg).setup()
+        GRPORecipe(cfg).run()
     assert not (tmp_path / "out").exists()  # the folder is not claimed: the corrected run may use it
 
 
@@ -255,10 +255,10 @@ def test_on_missing_answer_in_a_run(cfg, tmp_path, caplog, monkeypatch):
     recipe = GRPORecipe(cfg)
     with monkeypatch.context() as patch, caplog.at_level(logging.INFO), pytest.raises(_Stop):
         patch.setattr(grpo_single_device, "start_run", _stop)
-        recipe.setup()  # up to where it would claim output_dir
+        recipe.run()  # up to where it would claim output_dir
     assert len(recipe.dataset) == n - 3 and all(recipe.dataset[i]["answer"].strip() for i in range(n - 3))
     assert f"dataset: 3 of {n} prompts have no value for a column a reward needs (first: row 2" in caplog.text
     cfg.on_missing_answer = "error"
     with pytest.raises(ConfigError, match=r"config key 'on_missing_answer': 'error', and dataset .* row 2"):
-        GRPORecipe(cfg).setup()
+        GRPORecipe(cfg).run()
 

@@ -1,9 +1,13 @@
 """Atomic HF-format checkpoints through torchtune's checkpointer: checksummed markers, ownership by run id,
 retention of the run's own checkpoints, final paths in the log; named mismatches."""
 
+import errno
 import hashlib
 import json
 import logging
+import os
+import pathlib
+import shutil
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ import logitless.training.checkpoint as ckpt_mod
 from logitless.datasets import TINY_CHECKPOINT_DIR
 from logitless.models import qwen2_5_tiny
 from logitless.training import CheckpointManager, CheckpointMismatchError, complete_checkpoints, load_weights
-from logitless.training.checkpoint import verify_checkpoint
+from logitless.training.checkpoint import RUN_FILE, CheckpointSaveError, record_session, verify_checkpoint
 
 
 def _cfg():
@@ -185,3 +189,124 @@ def test_verify_names_a_truncated_file(tmp_path, name):
         f.truncate(full)
     assert verify_checkpoint(path) == [f"{path / name}: sha256 differs from the one the marker records "
                                        f"(the file was modified or damaged)"]
+
+
+def _partial_write_then(error):
+    """A stand-in for torch.save that writes part of the file, then fails as the real one does."""
+    def save(obj, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise error
+    return save
+
+
+@pytest.mark.parametrize("error, cause", [
+    # torch.save on a full disk: its writer's message, no errno
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1065344 vs 1065232"),
+     "no space left on device"),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "no space left on device"),
+    (OSError(errno.EIO, os.strerror(errno.EIO)), f"{os.strerror(errno.EIO)} (errno {errno.EIO}, EIO)"),
+])
+def test_a_save_that_fails_for_space_names_it_and_leaves_nothing_partial(tmp_path, monkeypatch, error, cause):
+    sd = qwen2_5_tiny(num_layers=1).state_dict()
+    mgr = CheckpointManager(None, str(tmp_path))
+    first = mgr.save(step=1, epoch=0, recipe_state={"step": 1}, model_state=sd)
+    before = {p.name: _sha256(p) for p in first.iterdir()}
+    needed = sum(v.numel() * v.element_size() for v in sd.values()) + 4 * 1000
+    free = 3 << 19  # 1.5 MiB, less than the checkpoint needs
+    monkeypatch.setattr(ckpt_mod.torch, "save", _partial_write_then(error))
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 * needed, 9 * needed, free))
+    with pytest.raises(CheckpointSaveError) as e:
+        mgr.save(step=2, epoch=0, recipe_state={"step": 2, "moments": torch.zeros(1000)}, model_state=sd)
+    msg = str(e.value)
+    assert msg.startswith(f"could not write checkpoint step_000002 to {tmp_path}: {cause} ({type(error).__name__}: "), msg
+    assert f"It needs about {needed / 2**20:.1f} MiB; 1.5 MiB was free on that file system" in msg
+    assert f"the earlier checkpoints are kept (newest: {first})" in msg
+    # no staging folder, no temporary file; the previous checkpoint untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+    assert {p.name: _sha256(p) for p in first.iterdir()} == before and verify_checkpoint(first) == []
+
+
+def test_a_failure_that_is_not_a_write_error_keeps_its_exception(tmp_path, monkeypatch):
+    mgr = CheckpointManager(None, str(tmp_path))
+    monkeypatch.setattr(ckpt_mod.torch, "save", _partial_write_then(TypeError("cannot pickle 'generator' object")))
+    with pytest.raises(TypeError, match="cannot pickle"):
+        mgr.save(step=1, epoch=0, recipe_state={}, model_state=qwen2_5_tiny(num_layers=1).state_dict())
+    assert list(tmp_path.iterdir()) == []  # its partial save removed all the same
+
+
+def test_the_run_file_write_failing_leaves_no_temporary_file(tmp_path, monkeypatch):
+    real = pathlib.Path.write_text
+
+    def write_text(self, text, *a, **k):
+        real(self, text[:10])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    with pytest.raises(CheckpointSaveError, match=rf"could not write the run file {tmp_path / RUN_FILE} to {tmp_path}: "
+                                                  rf"no space left on device"):
+        record_session(tmp_path, "run-1")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_on_save_error_stop_raises_continue_logs_and_a_failed_last_save_ends_the_run_with_it(tmp_path, caplog):
+    error = CheckpointSaveError("could not write checkpoint step_000002 to out: no space left on device (...).")
+    with pytest.raises(CheckpointSaveError, match=r"no space left on device \(...\). The run stops here "
+                                                  r"\(on_save_error=stop\)"):
+        CheckpointManager(None, str(tmp_path)).record_save_outcome(error)
+    mgr = CheckpointManager(None, str(tmp_path), on_save_error="continue")
+    with caplog.at_level(logging.WARNING):
+        mgr.record_save_outcome(error)
+    assert "Training goes on (on_save_error=continue): the next save tries again." in caplog.text
+    mgr.record_save_outcome(None)  # the next save worked
+    assert mgr.log_final(3) is None
+    mgr.record_save_outcome(error)
+    with pytest.raises(CheckpointSaveError, match=r"The run ended at step 4, but its last save failed, so the steps "
+                                                  r"since its newest checkpoint \(none\) are not saved: could not"):
+        mgr.log_final(4)
+    with pytest.raises(ValueError, match=r"on_save_error must be one of \['stop', 'continue'\], got 'retry'"):
+        CheckpointManager(None, str(tmp_path), on_save_error="retry")
+
+
+def test_a_kill_during_retention_leaves_no_step_folder_without_its_marker(tmp_path, monkeypatch):
+    """rmtree removes files in directory order: a kill in the middle left a step_* folder without a
+    marker (but with 9 MB of files) that nothing cleaned."""
+    sd = qwen2_5_tiny(num_layers=1).state_dict()
+    mgr = CheckpointManager(None, str(tmp_path), keep_last_n=1)
+    mgr.save(step=1, epoch=0, recipe_state={}, model_state=sd)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *a, **k):
+        marker = pathlib.Path(path) / "logitless_checkpoint.json"
+        if not marker.exists():  # a staging folder: not what this test kills
+            return real_rmtree(path, *a, **k)
+        marker.unlink()
+        raise KeyboardInterrupt("killed during retention")
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(step=2, epoch=0, recipe_state={}, model_state=sd)
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", real_rmtree)
+    steps = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_000002"] and verify_checkpoint(tmp_path / "step_000002") == []
+    CheckpointManager(None, str(tmp_path), keep_last_n=1, run_id=mgr.run_id)  # the run restarted: removes the rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"]
+
+
+def test_a_save_moves_an_incomplete_folder_of_its_own_run_aside(tmp_path, caplog):
+    sd = qwen2_5_tiny(num_layers=1).state_dict()
+    mgr = CheckpointManager(None, str(tmp_path))
+    record_session(tmp_path, mgr.run_id, new_run=True)
+    path = mgr.save(step=2, epoch=0, recipe_state={"who": "first"}, model_state=sd)
+    (path / "logitless_checkpoint.json").unlink()
+    with caplog.at_level(logging.INFO):
+        mgr.save(step=2, epoch=0, recipe_state={"who": "again"}, model_state=sd)
+    assert verify_checkpoint(path) == [] and CheckpointManager.load_recipe_state(path)["who"] == "again"
+    (moved,) = (tmp_path / "damaged").iterdir()
+    assert CheckpointManager.load_recipe_state(moved)["who"] == "first"
+    assert f"Moved {path} aside to {moved}: {path / 'logitless_checkpoint.json'} is missing or unreadable" in caplog.text
+    # in a folder of another run (its run file), an incomplete folder is not this run's: left alone
+    other = CheckpointManager(None, str(tmp_path))
+    (path / "logitless_checkpoint.json").unlink()
+    with pytest.raises(FileExistsError, match=r"step_000002 was written by another run \(it has no completion marker\)"):
+        other.save(step=2, epoch=0, recipe_state={}, model_state=sd)

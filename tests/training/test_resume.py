@@ -2,6 +2,7 @@
 verifies, which config changes a resume refuses, and optimizer settings applied after loading."""
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from logitless.models import qwen2_5_tiny
 from logitless.training import CheckpointManager, ConfigError, config_summary
-from logitless.training.checkpoint import read_run_file, record_session
+from logitless.training.checkpoint import MARKER, read_run_file, record_session, step_folders, verify_checkpoint
 from logitless.training.distributed import Runtime
 from logitless.training.resume import apply_optimizer_changes, start_run, validate_resume_config
 
@@ -68,17 +69,22 @@ def test_auto_falls_back_past_a_truncated_checkpoint_and_says_why(tmp_path, capl
     size = bad.stat().st_size
     with open(bad, "r+b") as f:
         f.truncate(size - 7)
+    # an explicit path to it names the file and the problem
+    with pytest.raises(ConfigError, match=rf"checkpoint '{tmp_path / 'step_000004'}' does not verify: {bad}: "
+                                          rf"{size - 7} bytes, the marker records {size} \(truncated\?\)"):
+        start_run(_cfg(tmp_path, resume_from_checkpoint=str(tmp_path / "step_000004")), fixed_keys=FIXED,
+                  runtime=RUNTIME)
     with caplog.at_level(logging.INFO):
         start = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
     assert start.checkpoint == tmp_path / "step_000002" and start.recipe_state["step"] == 2
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert f"Skipping checkpoint {tmp_path / 'step_000004'}: {bad}: {size - 7} bytes, the marker records {size}" in text
     assert f"Resuming from {tmp_path / 'step_000002'}" in text and "(skipped newer, not verifying: step_000004)" in text
-    # an explicit path to it names the file and the problem
-    with pytest.raises(ConfigError, match=rf"checkpoint '{tmp_path / 'step_000004'}' does not verify: {bad}: "
-                                          rf"{size - 7} bytes, the marker records {size} \(truncated\?\)"):
-        start_run(_cfg(tmp_path, resume_from_checkpoint=str(tmp_path / "step_000004")), fixed_keys=FIXED,
-                  runtime=RUNTIME)
+    # the run's own damaged checkpoint is moved aside, whole, so that step 4 can be written again
+    (moved,) = (tmp_path / "damaged").iterdir()
+    assert not (tmp_path / "step_000004").exists() and moved.name.startswith("step_000004-")
+    assert (moved / name).stat().st_size == size - 7
+    assert f"Moved {tmp_path / 'step_000004'} aside to {moved}: " in text
 
 
 def test_true_without_a_verifying_checkpoint_is_an_error(tmp_path):
@@ -171,14 +177,84 @@ def test_changed_optimizer_settings_are_applied_to_the_loaded_state(caplog):
         apply_optimizer_changes(opt, sched, {"optimizer.momentum": (0.9, 0.5)})
 
 
-def test_a_run_that_saved_nothing_is_restarted_by_auto_and_claims_are_exclusive(tmp_path):
+def test_a_run_that_saved_nothing_is_restarted_by_auto_or_replaced_by_a_new_run(tmp_path, caplog):
     first = start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)  # claims the folder, saves nothing
-    with pytest.raises(ConfigError, match=rf"is not empty: it holds files of run {first.run_id} \(logitless_run.json\)"):
-        start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "log_1.txt").write_text("Step 1 | loss:1.0\n")
     again = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
     assert again.run_id == first.run_id and again.checkpoint is None
     assert len(read_run_file(tmp_path)["sessions"]) == 2
+    # a new run takes the folder over, saying what it replaces; the logs stay
+    with caplog.at_level(logging.INFO):
+        new = start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
+    assert new.run_id != first.run_id and new.checkpoint is None
+    run = read_run_file(tmp_path)
+    assert run["run_id"] == new.run_id and len(run["sessions"]) == 1
+    assert (tmp_path / "logs" / "log_1.txt").read_text() == "Step 1 | loss:1.0\n"
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (f"{tmp_path} holds run {first.run_id}, which saved no checkpoint (logitless_run.json, logs): starting a "
+            f"new run in its place. Its logitless_run.json is replaced; its logs are kept.") in text
+    # anything else in the folder still refuses a new run
+    (tmp_path / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match=rf"is not empty: it holds files of run {new.run_id} \(logitless_run.json, "
+                                          rf"logs, notes.txt\)"):
+        start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
     # two new runs that both saw the folder empty: the second claim fails
     with pytest.raises(FileExistsError):
         record_session(tmp_path, "another-run", new_run=True)
-    assert read_run_file(tmp_path)["run_id"] == first.run_id
+    assert read_run_file(tmp_path)["run_id"] == new.run_id
+
+
+def test_auto_names_every_skipped_folder_and_moves_the_runs_own_damage_aside(tmp_path, caplog):
+    """The user's case: step_000008 deleted and the marker of step_000006 gone. `auto` resumed from step 4
+    without a word about step 6, and the run died at step 6 ("written by another run") on every resume."""
+    first = start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
+    _run(tmp_path, [2, 4, 6, 8], run_id=first.run_id)
+    shutil.rmtree(tmp_path / "step_000008")
+    (tmp_path / "step_000006" / MARKER).unlink()
+    (tmp_path / "step_000002" / MARKER).unlink()  # an older one, never completed
+    with caplog.at_level(logging.INFO):
+        start = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
+    assert start.checkpoint == tmp_path / "step_000004" and start.run_id == first.run_id
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert (f"Skipping checkpoint {tmp_path / 'step_000006'}: {tmp_path / 'step_000006' / MARKER}: missing (the "
+            f"checkpoint was not completely written)") in text
+    assert "(skipped newer, not verifying: step_000006)" in text
+    moved = {p.name.split("-")[0]: p for p in (tmp_path / "damaged").iterdir()}
+    assert sorted(moved) == ["step_000002", "step_000006"]
+    assert [p.name for p in step_folders(tmp_path)] == ["step_000004"]
+    assert f"Moved {tmp_path / 'step_000006'} aside to {moved['step_000006']}: " in text
+    assert "the run writes step 6 again when it gets there" in text
+    assert "it is older than the step the run starts from" in text
+    # the run writes step 6 again, under its own id
+    CheckpointManager(None, str(tmp_path), run_id=start.run_id).save(
+        step=6, epoch=0, model_state=qwen2_5_tiny(num_layers=1).state_dict(), recipe_state={"step": 6})
+    assert verify_checkpoint(tmp_path / "step_000006") == []
+
+
+def test_damage_of_another_run_is_left_where_it_is(tmp_path, caplog):
+    _run(tmp_path, [2])
+    other = _run(tmp_path, [4])
+    (tmp_path / "step_000004" / "recipe_state.pt").unlink()
+    with caplog.at_level(logging.INFO):
+        start = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
+    assert start.checkpoint == tmp_path / "step_000002" and (tmp_path / "step_000004").is_dir()
+    assert not (tmp_path / "damaged").exists()
+    assert (f"Leaving {tmp_path / 'step_000004'} in place: it does not verify ({tmp_path / 'step_000004'}/"
+            f"recipe_state.pt: missing) but it is not this run's ({start.run_id})") in caplog.text
+    assert other.run_id != start.run_id
+
+
+def test_a_run_whose_only_step_folders_never_completed_restarts_with_auto(tmp_path, caplog):
+    first = start_run(_cfg(tmp_path), fixed_keys=FIXED, runtime=RUNTIME)
+    _run(tmp_path, [3], run_id=first.run_id)
+    (tmp_path / "step_000003" / MARKER).unlink()
+    with pytest.raises(ConfigError, match=r"true, but .* holds no complete checkpoint \(step_000003 never completed\)"):
+        start_run(_cfg(tmp_path, resume_from_checkpoint=True), fixed_keys=FIXED, runtime=RUNTIME)
+    assert (tmp_path / "step_000003").is_dir()  # a refused start moves nothing
+    with caplog.at_level(logging.INFO):
+        start = start_run(_cfg(tmp_path, resume_from_checkpoint="auto"), fixed_keys=FIXED, runtime=RUNTIME)
+    assert start.checkpoint is None and start.run_id == first.run_id
+    assert step_folders(tmp_path) == [] and len(list((tmp_path / "damaged").iterdir())) == 1
+    assert f"Skipping checkpoint {tmp_path / 'step_000003'}: " in caplog.text
+    assert "saved no checkpoint yet: starting it again from step 0" in caplog.text

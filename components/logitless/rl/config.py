@@ -18,6 +18,7 @@ from logitless.rl.preflight import ON_MISSING_ANSWER, check_generation
 from logitless.rl.rewards import build_reward_specs
 from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
+from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
 from logitless.training.config import ConfigError, Key, validate_config
 from logitless.training.data_fingerprint import FINGERPRINT_KEY
 from logitless.training.distributed import FSDP_KEYS
@@ -76,6 +77,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "save_every_n_steps": Key((int, None), default=None, min=1),
     "save_final_checkpoint": Key(bool, default=True),
     "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
+    "on_save_error": ON_SAVE_ERROR_KEY,
     "merge_adapters": Key(bool, default=True, doc="LoRA: save merged HF weights in every checkpoint (a complete "
                                                    "model folder); False: adapters only (docs/export.md)"),
     "eval_every_n_steps": Key((int, None), default=None, min=1),

@@ -5,7 +5,8 @@ One concern per module:
 - :mod:`~logitless.training.config`: config validation (:func:`validate_config`, :class:`Key`, :class:`ConfigError`).
 - :mod:`~logitless.training.preflight`: checks before the model is built (optimizer values, device,
   every SFT row's length against ``max_seq_len`` with counts, ``on_too_long``).
-- :mod:`~logitless.training.cli`: :func:`report_errors`, a ConfigError as one line on stderr (exit 2).
+- :mod:`~logitless.training.cli`: :func:`report_errors`, a ConfigError as one line on stderr (exit 2), a
+  CheckpointSaveError likewise (exit 1).
 - :mod:`~logitless.training.step`: :class:`TrainStep`, the one optimizer-step engine of SFT and GRPO
   (accumulation normalised over the whole batch of every rank, reductions through ``Runtime``,
   clipping, step, schedule, non-finite skips) running a :class:`StepObjective`.
@@ -13,7 +14,10 @@ One concern per module:
   loss, count them, stop after too many in a row) and :func:`check_finite_weights` (no NaN checkpoint).
 - :mod:`~logitless.training.checkpoint`: :class:`CheckpointManager`, atomic HF-format checkpoints with
   the recipe state, a checksummed completion marker and the run id that owns them;
-  :func:`verify_checkpoint`; :func:`rng_state` / :func:`set_rng_state`.
+  :func:`verify_checkpoint`; :class:`CheckpointSaveError` (a save that failed for space, named);
+  :func:`rng_state` / :func:`set_rng_state`.
+- :mod:`~logitless.training.run_lock`: :class:`OutputDirLock`, one run per ``output_dir`` (an OS lock
+  held for the run's life, naming its holder to a second process).
 - :mod:`~logitless.training.resume`: :func:`start_run` (new run in an empty folder, or resume from the
   newest verifying checkpoint, with the config changes checked) and :func:`apply_optimizer_changes`.
 - :mod:`~logitless.training.dataloader`: :class:`ResumableSampler`, :func:`build_dataloader`.

@@ -54,7 +54,7 @@ def build_checkpoint_manager(cfg: DictConfig, runtime: Runtime, *, run_id: str) 
 
     Args:
         cfg (DictConfig): the recipe config (``checkpointer``, ``model_init``, ``output_dir``,
-            ``keep_last_n_checkpoints``).
+            ``keep_last_n_checkpoints``, ``on_save_error``).
         runtime (Runtime): only rank 0 writes.
         run_id (str): the lineage this session writes under.
 
@@ -63,7 +63,7 @@ def build_checkpoint_manager(cfg: DictConfig, runtime: Runtime, *, run_id: str) 
     """
     return CheckpointManager(cfg.checkpointer if cfg.model_init == "checkpoint" else None, cfg.output_dir,
                              is_rank_zero=runtime.is_rank_zero, keep_last_n=cfg.keep_last_n_checkpoints,
-                             run_id=run_id)
+                             run_id=run_id, on_save_error=cfg.on_save_error)
 
 
 def build_model_with_weights(cfg: DictConfig, ckpt: CheckpointManager, *, device: torch.device, dtype: torch.dtype,

@@ -12,7 +12,11 @@ Layout of ``output_dir``::
         adapter_model.pt            LoRA adapters in torchtune format (resume)
         recipe_state.pt             optimizer, LR scheduler, step, epoch, data position, RNG, seed, config
         logitless_checkpoint.json   written last: step, epoch, run id, size and sha256 of every file
-    .tmp-step_000020-<run>-<pid>/   a save in progress (removed when the same run starts again)
+    .tmp-step_000020-<run>-<pid>/   a save in progress, or a checkpoint being removed by retention
+                                    (removed when the same run starts again)
+    damaged/step_000020-<time>/     a step folder of this run that failed verification or lacked its
+                                    marker, moved aside (never deleted) when the run resumed
+    .logitless.lock                 held by the running process (:mod:`logitless.training.run_lock`)
 
 Every save is first written to a temporary folder, then renamed into place with one
 ``os.replace``: an interrupted run leaves either the previous checkpoint or the new one. The
@@ -21,8 +25,15 @@ truncated copy, a full disk) is recognised by :func:`verify_checkpoint` before r
 
 A run knows what it owns by its run id, recorded in ``logitless_run.json`` and in every marker;
 a resume continues the run id of the checkpoint it starts from (:mod:`logitless.training.resume`
-decides). Retention (``keep_last_n``) counts and deletes only checkpoints of that run id, and a
-save never replaces a folder that another run wrote.
+decides). Retention (``keep_last_n``) counts and deletes only checkpoints of that run id, first
+renaming each to a temporary name, so no ``step_*`` folder is ever left without its marker; a save
+never replaces a folder that another run wrote.
+
+A save that fails with an OS error (a full disk, a quota, a lost mount) raises a
+:class:`CheckpointSaveError` naming the checkpoint, the folder, the error and the space the
+checkpoint needs against the space that was free; its partial files are removed and the earlier
+checkpoints stay as they were. ``on_save_error`` (``stop`` or ``continue``) says whether the run
+stops there or trains on and tries again at its next save.
 
 Everything beyond the weights comes from :class:`logitless.training.export.ModelExport` (see
 docs/export.md): with one, every folder is a model folder that transformers, PEFT and vLLM load.
@@ -31,11 +42,13 @@ docs/export.md): with one, every folder is a model folder that transformers, PEF
 from __future__ import annotations
 
 import datetime
+import errno as errno_codes
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import uuid
 from contextlib import contextmanager
@@ -52,15 +65,29 @@ from torchtune.utils import get_logger
 
 log = get_logger()
 
+from logitless.training.config import Key
 from logitless.training.export import ModelExport
-
 from logitless.training.nonfinite import check_finite_weights
 
 MARKER = "logitless_checkpoint.json"
 RECIPE_STATE = "recipe_state.pt"
 RUN_FILE = "logitless_run.json"
+#: Where step folders that fail verification are moved, inside ``output_dir``.
+DAMAGED_DIR = "damaged"
+ON_SAVE_ERROR = ("stop", "continue")
+ON_SAVE_ERROR_KEY = Key(str, default="stop", choices=ON_SAVE_ERROR,
+                        doc="a checkpoint save that fails (disk full, any OS error): 'stop' the run with the "
+                            "error, or 'continue' training and try again at the next save")
 _STEP_PREFIX = "step_"
 _HASH_BLOCK = 16 << 20
+# What torch.save reports when its writer hits an OS error (it does not keep the errno).
+_TORCH_WRITE_FAILURE = re.compile(r"inline_container|PytorchStreamWriter|file write failed|unexpected pos|iostream error")
+_OS_ERROR_CODE = re.compile(r"os error (\d+)")  # safetensors' I/O errors carry the errno in the text
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint (or the run file) into ``output_dir`` failed with an OS error; the message
+    names what, where, the error and the space needed. Nothing partial is left behind."""
 
 
 def rng_state() -> Dict[str, Any]:
@@ -144,10 +171,91 @@ def record_session(output_dir: Union[str, os.PathLike], run_id: str, *, resumed_
     sessions = prev.get("sessions", []) if prev and prev.get("run_id") == run_id else []
     sessions.append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "recipe": recipe, "resumed_from": resumed_from, "pid": os.getpid()})
+    text = json.dumps({"run_id": run_id, "sessions": sessions}, indent=2) + "\n"
     tmp = out / f".tmp-{RUN_FILE}-{os.getpid()}"
-    tmp.write_text(json.dumps({"run_id": run_id, "sessions": sessions}, indent=2) + "\n")
-    os.replace(tmp, path)
+    free = _free_bytes(out)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise save_error(e, what=f"the run file {path}", folder=out, needed=len(text), free=free) from e
     return path
+
+
+def _human(n: Optional[float]) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _state_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a (nested) state: what saving it writes, give or take the headers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_nbytes(v) for v in obj)
+    return 0
+
+
+def _os_error_code(error: BaseException) -> Optional[int]:
+    """The errno behind a failed write: an OSError's, or the one safetensors writes in its message."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    m = _OS_ERROR_CODE.search(str(error))
+    return int(m.group(1)) if m else None
+
+
+def save_error(error: BaseException, *, what: str, folder: Path, needed: int,
+               free: Optional[int]) -> Optional[CheckpointSaveError]:
+    """The :class:`CheckpointSaveError` for a write into ``folder`` that failed with ``error``, or None
+    when ``error`` is not a write failure (a bug keeps its own exception and traceback).
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos``, without the errno; such a failure, or any write failure while the file system has less free
+    space than the checkpoint needs, is reported as "no space left on device".
+
+    Args:
+        error (BaseException): what the write raised.
+        what (str): what was being written, e.g. ``"checkpoint step_000006"``.
+        folder (Path): where.
+        needed (int): bytes the whole write needs.
+        free (Optional[int]): bytes free on ``folder``'s file system when the write began.
+
+    Returns:
+        Optional[CheckpointSaveError]: the error to raise.
+    """
+    code = _os_error_code(error)
+    if code is None and not (isinstance(error, RuntimeError) and _TORCH_WRITE_FAILURE.search(str(error))):
+        return None
+    if code is None:  # torch.save's writer: a full disk is the likely cause when the space ran out
+        free_now = _free_bytes(folder)
+        full = (free is not None and free < needed) or (free_now is not None and free_now < (1 << 20))
+    else:
+        full = code == errno_codes.ENOSPC
+    if full:
+        cause = "no space left on device"
+    elif code is not None:
+        cause = f"{os.strerror(code)} (errno {code}, {errno_codes.errorcode.get(code, '?')})"
+    else:
+        cause = "the file could not be written"
+    detail = str(error).strip()
+    return CheckpointSaveError(
+        f"could not write {what} to {folder}: {cause} ({type(error).__name__}: {detail}). It needs about "
+        f"{_human(needed)}; {_human(free)} was free on that file system when the save began.")
 
 
 def read_marker(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
@@ -242,6 +350,46 @@ def _quiet_torchtune_checkpointer() -> Iterator[None]:
         tt_log.removeFilter(keep)
 
 
+def step_folders(output_dir: str | os.PathLike) -> List[Path]:
+    """Every ``step_*`` folder of ``output_dir``, complete or not, oldest first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(checkpoint_step(d), d) for d in out.iterdir() if d.is_dir() and checkpoint_step(d) is not None]
+    return [d for _, d in sorted(found)]
+
+
+def set_aside(folder: Union[str, os.PathLike], reason: str) -> Path:
+    """Moves a damaged step folder to ``<output_dir>/damaged/<name>-<UTC time>`` and logs why.
+
+    A run does this only to its own step folders (a save that never completed, or one that fails
+    verification) so that it can write that step again; nothing is deleted.
+
+    Args:
+        folder: the ``step_*`` folder.
+        reason (str): why, for the log line.
+
+    Returns:
+        Path: where the folder now is.
+
+    Example:
+        >>> set_aside("outputs/run/step_000006", "logitless_checkpoint.json: missing")
+        PosixPath('outputs/run/damaged/step_000006-20260123T055501Z')
+    """
+    src = Path(folder)
+    dst_dir = src.parent / DAMAGED_DIR
+    dst_dir.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dst = dst_dir / f"{src.name}-{stamp}"
+    n = 1
+    while dst.exists():
+        n += 1
+        dst = dst_dir / f"{src.name}-{stamp}-{n}"
+    os.replace(src, dst)
+    log.info(f"Moved {src} aside to {dst}: {reason}")
+    return dst
+
+
 def complete_checkpoints(output_dir: str | os.PathLike) -> List[Path]:
     """Complete ``step_*`` folders of ``output_dir``, oldest first.
 
@@ -255,12 +403,7 @@ def complete_checkpoints(output_dir: str | os.PathLike) -> List[Path]:
         >>> complete_checkpoints("outputs/tiny_full")[-1].name
         'step_000040'
     """
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [(checkpoint_step(d), d) for d in out.iterdir()
-             if d.is_dir() and checkpoint_step(d) is not None and (d / MARKER).is_file()]
-    return [d for _, d in sorted(found)]
+    return [d for d in step_folders(output_dir) if (d / MARKER).is_file()]
 
 
 class CheckpointManager:
@@ -269,9 +412,10 @@ class CheckpointManager:
     A manager writes for one run id (a lineage: the run and its resumes). The marker of every
     checkpoint it saves records that id with the size and sha256 of each file; retention
     (``keep_last_n``) counts and deletes only checkpoints of that id, up to the step just saved; a
-    step folder written by another run is never replaced (``save`` raises instead). Log lines name
-    final folders only: torchtune's checkpointer, which names the temporary one, is silenced while
-    it writes.
+    step folder written by another run is never replaced (``save`` raises instead), while an
+    incomplete one of this run (no marker) is moved aside and written again. A save that fails with
+    an OS error raises :class:`CheckpointSaveError` and leaves nothing partial. Log lines name final
+    folders only: torchtune's checkpointer, which names the temporary one, is silenced while it writes.
 
     Args:
         checkpointer_cfg (Optional[DictConfig]): the recipe's ``checkpointer`` node (a torchtune
@@ -285,6 +429,8 @@ class CheckpointManager:
             passes the one :func:`logitless.training.resume.start_run` chose).
         export (Optional[ModelExport]): completes each folder (tokenizer files, generation config,
             config dtype, PEFT adapter); None writes the weights and adapters only.
+        on_save_error (str): ``"stop"`` (default) or ``"continue"``: what
+            :meth:`record_save_outcome` does with a save that failed (raise, or log and go on).
 
     Example:
         >>> ckpt = CheckpointManager(cfg.checkpointer, cfg.output_dir, run_id=start.run_id)
@@ -295,7 +441,12 @@ class CheckpointManager:
 
     def __init__(self, checkpointer_cfg: Optional[DictConfig], output_dir: str, *, is_rank_zero: bool = True,
                  keep_last_n: Optional[int] = None, run_id: Optional[str] = None,
-                 export: Optional[ModelExport] = None):
+                 export: Optional[ModelExport] = None, on_save_error: str = "stop"):
+        if on_save_error not in ON_SAVE_ERROR:
+            raise ValueError(f"CheckpointManager: on_save_error must be one of {list(ON_SAVE_ERROR)}, "
+                             f"got {on_save_error!r}")
+        self.on_save_error = on_save_error
+        self.failed_save: Optional[CheckpointSaveError] = None
         self.cfg = checkpointer_cfg
         self.export = export
         self.output_dir = Path(output_dir)
@@ -409,6 +560,8 @@ class CheckpointManager:
         Raises:
             FileExistsError: when ``step_{step:06d}`` exists and was written by another run.
             NonFiniteWeightsError: a weight holds NaN or inf; nothing is written.
+            CheckpointSaveError: an OS error (a full disk...) stopped the write; its partial files are
+                removed and the earlier checkpoints kept.
         """
         if not self.is_rank_zero:
             return None
@@ -418,11 +571,44 @@ class CheckpointManager:
                 check_finite_weights(part, what=f"checkpoint {name}")
         final = self.output_dir / name
         if final.exists():
-            owner = (read_marker(final) or {}).get("run_id")
-            if owner != self.run_id:
-                raise FileExistsError(f"{final} was written by {'run ' + owner if owner else 'another run'}, "
-                                      f"not by this run ({self.run_id}); not replacing it")
+            marker = read_marker(final)
+            owner = (marker or {}).get("run_id")
+            if marker is None and (read_run_file(self.output_dir) or {}).get("run_id") == self.run_id:
+                set_aside(final, f"{final / MARKER} is missing or unreadable (a save of this run that never "
+                                 f"completed); step {step} is written again now")
+            elif owner != self.run_id:
+                what = f"run {owner}" if owner else "another run (it has no completion marker)"
+                raise FileExistsError(f"{final} was written by {what}, not by this run ({self.run_id}); "
+                                      f"not replacing it")
         staging = self.output_dir / f".tmp-{name}-{self.run_id}-{os.getpid()}"
+        needed = sum(_state_nbytes(x) for x in (model_state, adapter_state, recipe_state)) + \
+            sum(os.path.getsize(src) for src in (extra_files or {}).values())
+        free = _free_bytes(self.output_dir)
+        try:
+            meta = self._write(staging, step=step, epoch=epoch, recipe_state=recipe_state, model_state=model_state,
+                               adapter_state=adapter_state, extra_meta=extra_meta, extra_files=extra_files)
+            self._publish(staging / "epoch_0", final)
+        except Exception as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            error = save_error(e, what=f"checkpoint {name}", folder=self.output_dir, needed=needed, free=free)
+            if error is None:
+                raise
+            newest = self.own_checkpoints()
+            raise CheckpointSaveError(f"{error} The partial save was removed; the earlier checkpoints are kept "
+                                      f"(newest: {newest[-1] if newest else 'none'}).") from e
+        shutil.rmtree(staging, ignore_errors=True)
+        size = sum(f["size"] for f in meta["files"].values())
+        log.info(f"Saved checkpoint of step {step} to {final} ({len(meta['files']) + 1} files, "
+                 f"{size / 1024 ** 3:.2f} GiB)")
+        self.last_saved = final
+        self._apply_retention(step)
+        return final
+
+    def _write(self, staging: Path, *, step: int, epoch: int, recipe_state: Dict[str, Any],
+               model_state: Optional[Dict[str, torch.Tensor]], adapter_state: Optional[Dict[str, torch.Tensor]],
+               extra_meta: Optional[Dict[str, Any]],
+               extra_files: Optional[Mapping[str, Union[str, os.PathLike]]]) -> Dict[str, Any]:
+        """Writes the whole checkpoint into ``staging/epoch_0``, its marker last; returns the marker."""
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         meta: Dict[str, Any] = {"step": step, "epoch": epoch, "run_id": self.run_id, "model_files": [],
@@ -473,21 +659,22 @@ class CheckpointManager:
                          for p in sorted(written.rglob("*")) if p.is_file()}
         (written / MARKER).write_text(json.dumps(meta, indent=2, default=str) + "\n")  # last: completes it
         _fsync_tree(written)
-        if final.exists():
-            trash = self.output_dir / f".tmp-{name}-{self.run_id}-old-{os.getpid()}"
-            os.replace(final, trash)
+        return meta
+
+    def _publish(self, written: Path, final: Path) -> None:
+        """Renames a written checkpoint into place; the folder it replaces (this run's) is restored if that fails."""
+        if not final.exists():
             os.replace(written, final)
-            shutil.rmtree(trash, ignore_errors=True)
         else:
-            os.replace(written, final)
+            trash = self.output_dir / f".tmp-{final.name}-{self.run_id}-old-{os.getpid()}"
+            os.replace(final, trash)
+            try:
+                os.replace(written, final)
+            except BaseException:
+                os.replace(trash, final)
+                raise
+            shutil.rmtree(trash, ignore_errors=True)
         _fsync_dir(self.output_dir)
-        shutil.rmtree(staging, ignore_errors=True)
-        size = sum(f["size"] for f in meta["files"].values())
-        log.info(f"Saved checkpoint of step {step} to {final} ({len(meta['files']) + 1} files, "
-                 f"{size / 1024 ** 3:.2f} GiB)")
-        self.last_saved = final
-        self._apply_retention(step)
-        return final
 
     def own_checkpoints(self) -> List[Path]:
         """Complete checkpoints of ``output_dir`` written under this manager's run id, oldest first."""
@@ -496,12 +683,35 @@ class CheckpointManager:
     def _apply_retention(self, step: int) -> None:
         # Only this run's checkpoints up to the step just saved: a later step of this run (left by a
         # resume that fell back past a damaged checkpoint) is replaced when the run reaches it again.
+        # Each is first renamed out of the step_* names, so a kill during the removal leaves no step
+        # folder without its marker, only a temporary folder that the run removes when it starts again.
         if self.keep_last_n is None:
             return
         mine = [d for d in self.own_checkpoints() if checkpoint_step(d) <= step]
         for old in mine[: -self.keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = self.output_dir / f".tmp-{old.name}-{self.run_id}-removed-{os.getpid()}"
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
             log.info(f"Removed checkpoint {old} (keep_last_n_checkpoints={self.keep_last_n})")
+
+    def record_save_outcome(self, error: Optional[CheckpointSaveError]) -> None:
+        """Applies ``on_save_error`` to the outcome of a save (every rank calls it with rank 0's outcome).
+
+        Args:
+            error (Optional[CheckpointSaveError]): None when the save succeeded.
+
+        Raises:
+            CheckpointSaveError: the save failed and ``on_save_error`` is ``stop``.
+        """
+        self.failed_save = error
+        if error is None:
+            return
+        if self.on_save_error == "stop":
+            raise CheckpointSaveError(f"{error} The run stops here (on_save_error=stop): free some space and "
+                                      f"resume with resume_from_checkpoint=auto, or set on_save_error=continue "
+                                      f"to train on and try again at each save.")
+        if self.is_rank_zero:
+            log.warning(f"{error} Training goes on (on_save_error=continue): the next save tries again.")
 
     def log_final(self, step: int) -> Optional[Path]:
         """Logs, once at the end of a run, the folder of the final model; returns it.
@@ -512,7 +722,16 @@ class CheckpointManager:
         Returns:
             Optional[Path]: the checkpoint of ``step`` saved by this session, or None (other ranks,
             or no checkpoint of the last step).
+
+        Raises:
+            CheckpointSaveError: the run's last save failed (``on_save_error: continue``): what it
+                trained since its last checkpoint is not saved.
         """
+        if self.failed_save is not None:
+            newest = self.own_checkpoints() if self.is_rank_zero else []
+            raise CheckpointSaveError(f"The run ended at step {step}, but its last save failed, so the steps since "
+                                      f"its newest checkpoint ({newest[-1] if newest else 'none'}) are not saved: "
+                                      f"{self.failed_save}")
         if not self.is_rank_zero:
             return None
         if self.last_saved is not None and checkpoint_step(self.last_saved) == step:

@@ -1,15 +1,24 @@
 """Starting a run: a new run in an empty folder, or a verified resume that continues a run's lineage.
 
-:func:`start_run` runs before the model is built. It decides, on rank 0, what the run starts from:
+:func:`start_run` runs before the model is built, once the run holds the lock on ``output_dir``
+(:mod:`logitless.training.run_lock`: no other process writes there meanwhile). It decides, on rank
+0, what the run starts from:
 
 - ``resume_from_checkpoint: false``: a new run with a fresh run id. ``output_dir`` must be empty (or
-  absent): a run never writes into, deletes from or overwrites another run's folder.
+  absent): a run never writes into, deletes from or overwrites another run's folder. A folder that
+  holds only a run that saved no checkpoint (its run file and logs) is taken over, with a log line.
 - ``true`` / ``"auto"``: the newest checkpoint of ``output_dir`` that verifies against its marker
-  (sizes and sha256, :func:`~logitless.training.checkpoint.verify_checkpoint`); newer ones that do
-  not are skipped with a message naming the file and the problem. ``true`` fails when none
-  verifies; ``"auto"`` starts fresh in an empty folder (or restarts a run that saved nothing yet).
+  (sizes and sha256, :func:`~logitless.training.checkpoint.verify_checkpoint`); every newer step
+  folder is skipped with a message naming the file and the problem (a missing marker included).
+  ``true`` fails when none verifies; ``"auto"`` starts fresh in an empty folder (or restarts a run
+  that saved nothing yet).
 - a checkpoint folder path: that checkpoint, which must verify. ``output_dir`` must be empty or hold
   the same run, with no checkpoint past the one resumed.
+
+Step folders of the run being continued that fail verification or never got their marker are
+moved to ``output_dir/damaged/`` (:func:`~logitless.training.checkpoint.set_aside`, with the
+reason in the log), so the run writes those steps again when it reaches them; step folders of
+another run are never moved.
 
 A resume continues the run id of its checkpoint, so retention keeps counting that lineage only.
 The saved config (``recipe_state["config"]``) is compared with the new one: every changed key is
@@ -28,11 +37,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from logitless.training.checkpoint import (CheckpointManager, checkpoint_step, complete_checkpoints, log,
-                                          new_run_id, read_marker, read_run_file, record_session,
-                                          verify_checkpoint)
+from logitless.training.checkpoint import (RUN_FILE, CheckpointManager, CheckpointSaveError, checkpoint_step,
+                                          complete_checkpoints, log, new_run_id, read_marker, read_run_file,
+                                          record_session, set_aside, step_folders, verify_checkpoint)
 from logitless.training.config import ConfigError, Key, config_summary
 from logitless.training.data_fingerprint import with_data_fingerprints
+from logitless.training.run_lock import LOCK_FILE
 
 RESUME_KEYS: Dict[str, Key] = {
     "resume_from_checkpoint": Key((bool, str), default=False,
@@ -46,6 +56,8 @@ RESUME_KEYS: Dict[str, Key] = {
 _NOT_COMPARED = ("resume_from_checkpoint", "resume_allow_changes")
 _ABSENT = "<absent>"
 _ALLOWED_NOTE = "  (allowed by resume_allow_changes)"
+# What a run leaves in output_dir before its first checkpoint: its run file and its logs.
+_NOTHING_SAVED = (RUN_FILE, "logs", "torchtune_config.yaml")
 
 
 @dataclass
@@ -138,17 +150,55 @@ def _occupied(out: Path, entries: List[str], run: Optional[Dict[str, Any]]) -> C
         f"another output_dir.")
 
 
-def _decide(cfg: DictConfig) -> Tuple[Optional[Path], str, List[str]]:
-    """Rank 0's decision: (checkpoint or None, run id, log lines)."""
+def _saved_nothing(entries: List[str], run: Optional[Dict[str, Any]]) -> bool:
+    """The folder holds only what a run that never saved a checkpoint leaves: its run file and logs."""
+    return bool(run and run.get("run_id")) and RUN_FILE in entries and set(entries) <= set(_NOTHING_SAVED)
+
+
+@dataclass
+class _Decision:
+    """Rank 0's decision, broadcast to every rank."""
+
+    checkpoint: Optional[Path]
+    run_id: str
+    notes: List[str] = field(default_factory=list)
+    set_aside: List[Tuple[Path, str]] = field(default_factory=list)  # this run's damaged step folders
+
+
+def _damaged_own(problems: Mapping[Path, List[str]], run_id: str, run: Optional[Dict[str, Any]],
+                 resume_step: int) -> Tuple[List[Tuple[Path, str]], List[str]]:
+    """Which damaged step folders are this run's (moved aside) and which are left (noted)."""
+    aside, notes = [], []
+    run_file_id = (run or {}).get("run_id")
+    for d in sorted(problems, key=checkpoint_step):
+        meta = read_marker(d)
+        owner = meta.get("run_id") if meta else run_file_id  # no marker: the folder's run wrote it
+        if owner == run_id:
+            then = (f"the run writes step {checkpoint_step(d)} again when it gets there"
+                    if checkpoint_step(d) > resume_step else "it is older than the step the run starts from")
+            aside.append((d, f"{'; '.join(problems[d])}; {then}"))
+        else:
+            notes.append(f"Leaving {d} in place: it does not verify ({'; '.join(problems[d])}) but it is not this "
+                         f"run's ({run_id}); a save of step {checkpoint_step(d)} will refuse to replace it")
+    return aside, notes
+
+
+def _decide(cfg: DictConfig) -> _Decision:
+    """Rank 0's decision: the checkpoint (or None), the run id, log lines, folders to move aside."""
     out = Path(cfg.output_dir)
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) if out.is_dir() else []
     run = read_run_file(out)
     r = cfg.resume_from_checkpoint
     key = "config key 'resume_from_checkpoint'"
     if r is False:
-        if entries:
-            raise _occupied(out, entries, run)
-        return None, new_run_id(), []
+        if not entries:
+            return _Decision(None, new_run_id())
+        if _saved_nothing(entries, run):
+            return _Decision(None, new_run_id(), notes=[
+                f"{out} holds run {run['run_id']}, which saved no checkpoint ({', '.join(entries)}): starting a new "
+                f"run in its place. Its {RUN_FILE} is replaced; its logs are kept."])
+        raise _occupied(out, entries, run)
+    folders = step_folders(out)
     if isinstance(r, str) and r != "auto":
         ckpt = Path(r)
         problems = verify_checkpoint(ckpt)
@@ -164,28 +214,47 @@ def _decide(cfg: DictConfig) -> Tuple[Optional[Path], str, List[str]]:
             raise ConfigError(f"{key}: output_dir {str(out)!r} holds checkpoints past {ckpt.name} ({', '.join(later)}); "
                               f"resuming {ckpt} there would mix two histories of the run. Resume into another "
                               f"output_dir (the checkpoint path can stay as it is)")
-        return ckpt, meta.get("run_id") or new_run_id(), [f"Resuming from {ckpt} (resume_from_checkpoint)"]
-    notes, skipped = [], []
-    for d in reversed(complete_checkpoints(out)):
-        problems = verify_checkpoint(d)
-        if not problems:
-            why = f" (skipped newer, not verifying: {', '.join(s for s, _ in skipped)})" if skipped else ""
-            notes.append(f"Resuming from {d}: the newest checkpoint of {out} that verifies{why}")
-            meta = read_marker(d)
-            return d, meta.get("run_id") or new_run_id(), [*notes]
-        skipped.append((d.name, problems))
-        notes.append(f"Skipping checkpoint {d}: " + "; ".join(problems))
-    if skipped:
+        run_id = meta.get("run_id") or new_run_id()
+        incomplete = {d: verify_checkpoint(d) for d in folders if read_marker(d) is None}
+        aside, notes = _damaged_own(incomplete, run_id, run, step)
+        return _Decision(ckpt, run_id, [f"Resuming from {ckpt} (resume_from_checkpoint)", *notes], aside)
+    # true / auto: the newest step folder that verifies; every newer one is named with its problems.
+    notes, problems = [], {}
+    chosen = None
+    for d in reversed(folders):
+        found = verify_checkpoint(d)
+        if not found:
+            chosen = d
+            break
+        problems[d] = found
+        notes.append(f"Skipping checkpoint {d}: " + "; ".join(found))
+    # older folders without a marker (never completed; not loaded, so not hashed)
+    problems.update({d: verify_checkpoint(d) for d in folders
+                     if d not in problems and d != chosen and read_marker(d) is None})
+    if chosen is not None:
+        meta = read_marker(chosen)
+        run_id = meta.get("run_id") or new_run_id()
+        step = meta.get("step", checkpoint_step(chosen)) or 0
+        newer = [d.name for d in problems if checkpoint_step(d) > checkpoint_step(chosen)]
+        why = f" (skipped newer, not verifying: {', '.join(newer)})" if newer else ""
+        aside, left = _damaged_own(problems, run_id, run, step)
+        return _Decision(chosen, run_id, [*notes, *left,
+                                          f"Resuming from {chosen}: the newest checkpoint of {out} that verifies{why}"],
+                         aside)
+    completed = [d for d in problems if read_marker(d) is not None]
+    if completed:
         raise ConfigError(f"{key}: {r!r}, but no checkpoint in {str(out)!r} verifies: "
-                          + " | ".join(f"{n}: " + "; ".join(p) for n, p in skipped))
+                          + " | ".join(f"{d.name}: " + "; ".join(p) for d, p in problems.items()))
     if r is True:
-        raise ConfigError(f"{key}: true, but {str(out)!r} holds no complete checkpoint "
+        never = f" ({', '.join(d.name for d in problems)} never completed)" if problems else ""
+        raise ConfigError(f"{key}: true, but {str(out)!r} holds no complete checkpoint{never} "
                           f"(use 'auto' to start fresh when there is none)")
     if not entries:
-        return None, new_run_id(), [f"No checkpoint in {out}: starting a new run (resume_from_checkpoint=auto)"]
+        return _Decision(None, new_run_id(), [f"No checkpoint in {out}: starting a new run (resume_from_checkpoint=auto)"])
     if run is not None and run.get("run_id"):
-        return None, run["run_id"], [f"Run {run['run_id']} in {out} saved no checkpoint yet: starting it again "
-                                     f"from step 0 (resume_from_checkpoint=auto)"]
+        aside, left = _damaged_own(problems, run["run_id"], run, 0)
+        return _Decision(None, run["run_id"], [*notes, *left, f"Run {run['run_id']} in {out} saved no checkpoint yet: "
+                                               f"starting it again from step 0 (resume_from_checkpoint=auto)"], aside)
     raise _occupied(out, entries, run)
 
 
@@ -224,19 +293,12 @@ def start_run(cfg: DictConfig, *, fixed_keys: Sequence[str], runtime, recipe: Op
     if runtime.is_rank_zero:
         try:
             decision = _decide(cfg)
-            if decision[0] is None:  # a fresh start: claim the folder now (a concurrent start loses)
-                try:
-                    record_session(cfg.output_dir, decision[1], recipe=recipe,
-                                   new_run=read_run_file(cfg.output_dir) is None)
-                except FileExistsError:
-                    raise _occupied(Path(cfg.output_dir), sorted(p.name for p in Path(cfg.output_dir).iterdir()),
-                                    read_run_file(cfg.output_dir)) from None
         except ConfigError as e:
             decision = e
     decision = runtime.broadcast_object(decision)
     if isinstance(decision, ConfigError):
         raise decision
-    checkpoint, run_id, notes = decision
+    checkpoint, run_id, notes = decision.checkpoint, decision.run_id, list(decision.notes)
     start = RunStart(run_id=run_id, checkpoint=checkpoint)
     if checkpoint is not None:
         start.recipe_state = CheckpointManager.load_recipe_state(checkpoint)
@@ -257,11 +319,25 @@ def start_run(cfg: DictConfig, *, fixed_keys: Sequence[str], runtime, recipe: Op
                 notes.append(f"Config changed since {checkpoint.name} (saved -> now):\n" + "\n".join(
                     f"  {k}: {a!r} -> {b!r}{_ALLOWED_NOTE if any(_matches(k, x) for x in allowed) else ''}"
                     for k, (a, b) in start.changes.items()))
-    if runtime.is_rank_zero:
-        if checkpoint is not None:
-            record_session(cfg.output_dir, run_id, resumed_from=str(checkpoint), recipe=recipe)
-        for n in notes:
-            log.info(n)
+    outcome: Any = None
+    if runtime.is_rank_zero:  # the decision stands: repair this run's damage and record the session
+        try:
+            for n in notes:
+                log.info(n)
+            for folder, why in decision.set_aside:
+                set_aside(folder, why)
+            out = Path(cfg.output_dir)
+            try:
+                record_session(out, run_id, recipe=recipe, resumed_from=None if checkpoint is None else str(checkpoint),
+                               new_run=checkpoint is None and read_run_file(out) is None)
+            except FileExistsError:  # another process claimed the folder since _decide
+                raise _occupied(out, sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE),
+                                read_run_file(out)) from None
+        except (ConfigError, CheckpointSaveError) as e:
+            outcome = e
+    outcome = runtime.broadcast_object(outcome)
+    if outcome is not None:
+        raise outcome
     return start
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from logitless.training import model as model_utils
-from logitless.training.checkpoint import CheckpointManager, set_rng_state
+from logitless.training.checkpoint import CheckpointManager, CheckpointSaveError, set_rng_state
 from logitless.training.config import config_summary
 from logitless.training.data_fingerprint import with_data_fingerprints
 from logitless.training.distributed import Runtime
@@ -85,7 +85,9 @@ def save_checkpoint(ckpt: CheckpointManager, runtime: Runtime, model: nn.Module,
     """Writes a complete checkpoint of ``step`` (all ranks take part, rank 0 writes).
 
     Every rank checks its shards first and all raise together: a checkpoint of NaN/inf weights is
-    never written.
+    never written. A save that fails with an OS error (a full disk...) is settled on every rank by
+    ``ckpt.on_save_error``: all raise the :class:`~logitless.training.checkpoint.CheckpointSaveError`
+    together (``stop``), or all log it and go on (``continue``).
 
     Args:
         ckpt (CheckpointManager): writes ``step_*`` atomically.
@@ -100,17 +102,23 @@ def save_checkpoint(ckpt: CheckpointManager, runtime: Runtime, model: nn.Module,
 
     Raises:
         NonFiniteWeightsError: when a weight is NaN/inf.
+        CheckpointSaveError: the save failed and ``on_save_error`` is ``stop``.
     """
     check_finite_weights(dict(model.named_parameters()), what=f"checkpoint step_{step:06d}",
                          all_reduce=runtime.all_reduce)
     full_sd = runtime.full_state_dict(model)
+    error = None
     if runtime.is_rank_zero:
-        if lora_model_cfg is not None:
-            adapter, merged = model_utils.lora_states(full_sd, lora_model_cfg, merge=merge_adapters)
-            ckpt.save(step=step, epoch=epoch, recipe_state=recipe_state, model_state=merged, adapter_state=adapter)
-        else:
-            ckpt.save(step=step, epoch=epoch, recipe_state=recipe_state, model_state=full_sd)
-    runtime.barrier()
+        try:
+            if lora_model_cfg is not None:
+                adapter, merged = model_utils.lora_states(full_sd, lora_model_cfg, merge=merge_adapters)
+                ckpt.save(step=step, epoch=epoch, recipe_state=recipe_state, model_state=merged,
+                          adapter_state=adapter)
+            else:
+                ckpt.save(step=step, epoch=epoch, recipe_state=recipe_state, model_state=full_sd)
+        except CheckpointSaveError as e:
+            error = e
+    ckpt.record_save_outcome(runtime.broadcast_object(error))  # also the barrier after rank 0's write
 
 
 __all__ = ["restore_training_state", "save_checkpoint", "training_state"]

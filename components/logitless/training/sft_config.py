@@ -10,6 +10,7 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
+from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
 from logitless.training.config import ConfigError, Key, validate_config
 from logitless.training.data_fingerprint import FINGERPRINT_KEY
 from logitless.training.distributed import FSDP_KEYS
@@ -52,6 +53,7 @@ SFT_SCHEMA: Dict[str, Key] = {
     "save_every_n_steps": Key((int, None), default=None, min=1),
     "save_final_checkpoint": Key(bool, default=True),
     "keep_last_n_checkpoints": Key((int, None), default=None, min=1),
+    "on_save_error": ON_SAVE_ERROR_KEY,
     "num_workers": Key(int, default=0, min=0),
     "on_too_long": Key(str, default="truncate", choices=ON_TOO_LONG,
                        doc="rows longer than max_seq_len (tokenizer's or model's): cut, drop, or stop with an error; "
