@@ -70,14 +70,22 @@ def test_sft_config_mistakes_fail_before_the_model(tmp_path, monkeypatch, overri
     assert not (tmp_path / "out").exists()  # nothing claimed: the corrected run may use the folder
 
 
-@pytest.mark.parametrize("component, built", [("torch.nn.CrossEntropyLoss", "CrossEntropyLoss"),
-                                             ("logitless.losses.TokenLogProbs", "TokenLogProbs")])
-def test_a_component_that_is_not_a_step_loss_is_refused(tmp_path, monkeypatch, component, built):
-    # torch's loss, and logitless' per-token log-probs (a head module, not a loss), used to fail after the build
+SFT_LOSSES = (r"expected one of \['logitless.losses.CEWithChunkedOutputLoss', 'logitless.losses.LinearCrossEntropyLoss', "
+              r"'logitless.losses.EntropyWithChunkedOutputLoss'\]$")
+
+
+@pytest.mark.parametrize("component, why", [
+    ("torch.nn.CrossEntropyLoss", "builds a CrossEntropyLoss, not a logitless.losses._base.StepLoss"),
+    ("logitless.losses.TokenLogProbs", "builds a TokenLogProbs, not a logitless.losses._base.StepLoss"),
+    # a StepLoss, but one that needs each step's advantages: it failed at step 1
+    ("logitless.losses.GRPOLoss", r"needs \['advantages'\] at every step, which this recipe does not have"),
+])
+def test_a_component_the_sft_loop_cannot_run_is_refused(tmp_path, monkeypatch, component, why):
+    # torch's loss, logitless' per-token log-probs (a head module, not a loss) and the GRPO objective
+    # used to fail after the model build
     cfg = _cfg("tiny_full.yaml", tmp_path, monkeypatch, {})
     cfg.loss = {"_component_": component}
-    with pytest.raises(ConfigError, match=rf"config key 'loss._component_': {component} builds a {built}, not a "
-                                          rf"logitless.losses._base.StepLoss"):
+    with pytest.raises(ConfigError, match=rf"config key 'loss._component_': {component} {why}; {SFT_LOSSES}"):
         SFTRecipe(cfg)
 
 

@@ -133,18 +133,38 @@ def _builder_error(key: str, node: Any, e: BaseException) -> ConfigError:
     return ConfigError(f"config key {where!r} ({node.get('_component_')}): {msg}")
 
 
-def check_loss(node: DictConfig, key: str = "loss", *, expected: type) -> None:
+def _needed_inputs(loss_class: type) -> List[str]:
+    """Arguments of ``loss_class.normalised_loss`` after (outputs, labels, total) that have no default."""
+    params = list(inspect.signature(loss_class.normalised_loss).parameters.values())[4:]  # self, outputs, labels, total
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _losses_for(expected: type, inputs: Optional[Sequence[str]]) -> List[str]:
+    """The ``logitless.losses`` classes a recipe can run: ``expected`` ones that need no other inputs."""
+    import logitless.losses as losses
+
+    found = [getattr(losses, n) for n in losses.__all__]
+    return [f"logitless.losses.{c.__name__}" for c in found
+            if inspect.isclass(c) and issubclass(c, expected) and not inspect.isabstract(c)
+            and (inputs is None or set(_needed_inputs(c)) <= set(inputs))]
+
+
+def check_loss(node: DictConfig, key: str = "loss", *, expected: type,
+               inputs: Optional[Sequence[str]] = None) -> None:
     """Builds the loss component once, before the model, so its own argument checks run then.
 
     A loss holds no weights: building it costs microseconds. Its arguments' types were checked
     against its signature by :func:`~logitless.training.config.validate_config`; here its own
-    validation (ranges, choices, combinations) runs, and the result must be an ``expected`` loss.
+    validation (ranges, choices, combinations) runs, and the result must be an ``expected`` loss whose
+    ``normalised_loss`` needs no input the recipe does not give it.
 
     Args:
         node (DictConfig): the ``loss`` component node.
         key (str): its config key.
         expected (type): the loss class the recipe drives (``logitless.losses.StepLoss`` for SFT,
             ``GRPOLoss`` for GRPO).
+        inputs (Optional[Sequence[str]]): the keyword inputs the recipe passes ``normalised_loss``
+            besides ``(outputs, labels, total)`` (SFT: none; None: not checked).
 
     Raises:
         ConfigError: naming ``loss.<argument>`` (or ``loss._component_``), the value and what was expected.
@@ -163,10 +183,14 @@ def check_loss(node: DictConfig, key: str = "loss", *, expected: type) -> None:
             loss = tt_config.instantiate(node)
     except (ValueError, TypeError, ArithmeticError) as e:
         raise _builder_error(key, node, e) from e
+    expected_names = f"expected one of {_losses_for(expected, inputs)}"
     if not isinstance(loss, expected):
         raise ConfigError(f"config key '{key}._component_': {node._component_} builds a {type(loss).__name__}, "
-                          f"not a {expected.__module__}.{expected.__name__}; expected one of the logitless losses "
-                          f"this recipe runs (docs/losses.md)")
+                          f"not a {expected.__module__}.{expected.__name__}; {expected_names}")
+    missing = [n for n in _needed_inputs(type(loss)) if inputs is not None and n not in inputs]
+    if missing:
+        raise ConfigError(f"config key '{key}._component_': {node._component_} needs {missing} at every step, which "
+                          f"this recipe does not have; {expected_names}")
 
 
 # argument -> (what is expected, test); checked only where the LR schedule takes the argument
@@ -307,7 +331,8 @@ def check_max_seq_len(node: Optional[DictConfig], key: str) -> None:
         raise ConfigError(f"config key '{key}.max_seq_len': expected null or an int >= 1, got {v!r}")
 
 
-def check_components(cfg: DictConfig, *, loss_class: type, num_training_steps: Optional[int] = None) -> None:
+def check_components(cfg: DictConfig, *, loss_class: type, loss_inputs: Optional[Sequence[str]] = None,
+                     num_training_steps: Optional[int] = None) -> None:
     """The config checks every recipe runs before it builds anything (after :func:`validate_config`):
     ``device`` spelling, optimizer and LR-schedule values, the loss (built), LoRA arguments,
     the checkpointer's ``model_type``, and the ``max_seq_len`` of tokenizer and model.
@@ -315,6 +340,8 @@ def check_components(cfg: DictConfig, *, loss_class: type, num_training_steps: O
     Args:
         cfg (DictConfig): the validated recipe config.
         loss_class (type): the loss class the recipe drives.
+        loss_inputs (Optional[Sequence[str]]): what the recipe passes the loss besides outputs, labels and
+            the step's counts (:func:`check_loss`).
         num_training_steps (Optional[int]): given to the LR schedule when its config lacks it.
 
     Raises:
@@ -323,7 +350,7 @@ def check_components(cfg: DictConfig, *, loss_class: type, num_training_steps: O
     check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
     check_optimizer(cfg.optimizer)
     check_lr_scheduler(cfg.get("lr_scheduler"), num_training_steps=num_training_steps)
-    check_loss(cfg.loss, expected=loss_class)
+    check_loss(cfg.loss, expected=loss_class, inputs=loss_inputs)
     if "lora_rank" in cfg.model:
         check_lora_model(cfg.model)
     check_checkpointer(cfg.get("checkpointer"))

@@ -106,7 +106,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
             if k not in cfg.model:
                 raise ConfigError(f"config key 'model.{k}': the LoRA recipe needs a lora_* model builder "
                                   f"(got {cfg.model._component_!r} without {k})")
-    check_components(cfg, loss_class=StepLoss, num_training_steps=cfg.max_steps)
+    check_components(cfg, loss_class=StepLoss, loss_inputs=(), num_training_steps=cfg.max_steps)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
     check_cpu_threads(cfg.cpu_threads)
