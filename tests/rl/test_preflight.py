@@ -232,8 +232,9 @@ def test_a_reward_without_kwargs_must_take_every_column():
     from logitless.rl.preflight import check_reward_columns
 
     ds = PromptDataset(["p0"], [[1]], {"answer": ["1"], "a": [1]})
-    with pytest.raises(ConfigError, match=r"'_answer_only' is given every column of dataset as a keyword argument, "
-                                          r"but takes none named 'a'; expected a signature ending in \*\*kwargs"):
+    with pytest.raises(ConfigError, match=r"'_answer_only' is given every column of dataset and 'completion_ids' as "
+                                          r"keyword arguments, but takes none named 'a'; expected a signature ending "
+                                          r"in \*\*kwargs"):
         check_reward_columns(ds, _specs(_answer_only), on_missing_answer="drop")
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from logitless.rl.preflight import check_stop_tokens
+from logitless.rl.rewards import COMPLETION_IDS
 from logitless.rl.rollout import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
 from logitless.training import model as model_utils
 from logitless.training.distributed import Runtime
@@ -124,18 +125,20 @@ class PolicySampler:
 
         Returns:
             Tuple: the rollout, and per completion (in rollout order) its prompt text, its decoded
-            text and the row's other columns (``{column: [value, ...]}``).
+            text and the row's other columns (``{column: [value, ...]}``) with ``completion_ids``
+            (its token ids, stop token included): the reward functions' keyword arguments.
         """
         sample = self.eval_sample_fn if evaluation else self.sample_fn
         model = self.rollout_model if self.rollout_model is not None else policy
         rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
                          pad_id=self.pad_id, generator=generator, **{**self.gen_kwargs, **overrides})
-        texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
-                 for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        completion_ids = [t[m].tolist() for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
         fields = {k: [r[k] for r in rows for _ in range(num_generations)]
                   for k in rows[0] if k not in ("prompt", "prompt_tokens")}
-        return rollout, prompts, texts, fields
+        # the sampled token ids reach every reward function too (TRL's keyword): token-length rewards
+        return rollout, prompts, texts, {**fields, COMPLETION_IDS: completion_ids}
 
 
 __all__ = ["PolicySampler"]

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
-from logitless.rl.rewards import RewardSpec, reward_columns
+from logitless.rl.rewards import COMPLETION_IDS, RewardSpec, reward_columns
 from logitless.training.config import ConfigError
 from logitless.training.preflight import ON_TOO_LONG, RowSubset
 
@@ -165,21 +165,23 @@ def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_miss
                           f"got {on_missing_answer!r}")
     n = len(dataset)
     columns = [c for c in dataset[0] if c not in PROMPT_KEYS] if n else []
+    given = columns + [COMPLETION_IDS]  # the recipe passes the sampled token ids too
     source = getattr(dataset, "source", "") or key
     needed: List[str] = []
     for i, spec in enumerate(rewards):
         required, accepted = reward_columns(spec.function)
-        lacking = [c for c in required if c not in columns]
+        lacking = [c for c in required if c not in given]
         if lacking:
             raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} reads the column {lacking[0]!r}, "
                               f"which {key} ({source}) does not have; its columns are {columns}. Expected a dataset "
                               f"with that column (prompt_dataset's answer_column exposes another column as 'answer')")
-        extra = [c for c in columns if accepted is not None and c not in accepted]
+        extra = [c for c in given if accepted is not None and c not in accepted]
         if extra:
-            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} is given every column of {key} as a "
-                              f"keyword argument, but takes none named {extra[0]!r}; expected a signature ending in "
-                              f"**kwargs (f(prompts, completions, {', '.join(required + ('**kwargs',))}))")
-        needed += [c for c in required if c not in needed]
+            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} is given every column of {key} and "
+                              f"{COMPLETION_IDS!r} as keyword arguments, but takes none named {extra[0]!r}; expected a "
+                              f"signature ending in **kwargs (f(prompts, completions, "
+                              f"{', '.join(required + ('**kwargs',))}))")
+        needed += [c for c in required if c not in needed and c in columns]
     kept: List[int] = []
     first: Optional[Tuple[int, str, Any]] = None
     for i in range(n):
