@@ -238,6 +238,18 @@ def test_a_reward_without_kwargs_must_take_every_column():
         check_reward_columns(ds, _specs(_answer_only), on_missing_answer="drop")
 
 
+def _counts_tokens(prompts, completions, completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def test_completion_ids_is_given_by_the_recipe_not_read_from_the_dataset():
+    from logitless.rl.preflight import check_reward_columns
+
+    ds = PromptDataset(["p0"], [[1]], {"answer": [None]})
+    kept, report = check_reward_columns(ds, _specs(_counts_tokens), on_missing_answer="error")
+    assert kept is ds and report.columns == ()
+
+
 class _Stop(Exception):
     pass
 
