@@ -163,14 +163,14 @@ class SimulatedMeter:
 # ------------------------------------------------------------------------------------------- model
 def allow_length(model, max_seq_len: int) -> None:
     """Lets a torchtune decoder take ``max_seq_len`` tokens: torchtune's Qwen2.5 builders fix 32768, and
-    their rotary tables end there. The tables are rebuilt longer (the same frequencies)."""
-    from torchtune.modules import RotaryPositionalEmbeddings
-
+    their rotary tables end there. The tables are rebuilt longer (the same frequencies). Every torchtune
+    rotary class (``RotaryPositionalEmbeddings``, Qwen2's, Llama 3.1's scaled one) has ``build_rope_cache``
+    but they share no base class, so they are found by that method."""
     if max_seq_len <= model.max_seq_len:
         return
     model.max_seq_len = max_seq_len
     for module in model.modules():
-        if isinstance(module, RotaryPositionalEmbeddings):
+        if callable(getattr(module, "build_rope_cache", None)):
             module.max_seq_len = max_seq_len
             module.build_rope_cache(max_seq_len)
 

@@ -141,3 +141,22 @@ def test_bad_arguments_are_named(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_allow_length_extends_every_rotary_table(bench, family):
+    """Qwen2's and Llama 3's rotary classes share no base class with torchtune's
+    ``RotaryPositionalEmbeddings``: each table must still be rebuilt, so a sequence past the builder's
+    ``max_seq_len`` runs and equals the model built for that length from the start."""
+    from torchtune.models.llama3 import llama3
+    from torchtune.models.qwen2 import qwen2
+
+    def build(max_seq_len):
+        torch.manual_seed(0)
+        args = dict(vocab_size=64, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=32, max_seq_len=max_seq_len)
+        return qwen2(intermediate_dim=64, **args) if family == "qwen2" else llama3(intermediate_dim=64, **args)
+
+    short, long = build(16), build(64)
+    bench.allow_length(short, 64)
+    tokens = torch.randint(0, 64, (1, 40))
+    torch.testing.assert_close(short(tokens), long(tokens))
