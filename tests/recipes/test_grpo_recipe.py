@@ -49,8 +49,11 @@ def test_cli_end_to_end(tmp_path):
     log = read_disk_log(glob.glob(str(tmp_path / "logs" / "log_*.txt"))[0])
     for key in ("reward/mean", "reward/std", "reward/math_correctness/mean", "reward/math_correctness/std", "entropy",
                 "clip_ratio/region", "completion_length/mean", "tokens_per_second", "peak_rss_gib", "loss",
-                "grad_norm", "eval/accuracy"):
+                "grad_norm", "eval/accuracy", "sampling/logp_difference/mean", "sampling/logp_difference/max",
+                "sampling/kl", "sampling/ratio_outside_cap", "sampling/importance_sampling_ratio/mean"):
         assert key in log, key
+    # the sampler (the eager one on CPU, fp32, the policy's own weights) and the training pass agree
+    assert max(log["sampling/logp_difference/max"].values()) < 1e-3
     assert sorted(log["reward/mean"]) == [1, 2]
     # the update's MFU against the given peak: its FLOPs over its time
     for step in (1, 2):
