@@ -449,13 +449,14 @@ class GRPOLoss(StepLoss):
         mask = self.loss_mask(labels, truncated)
         advantages = advantages.expand(labels.shape)
         # Only positions in the loss count: outside it, any value (NaN included) is ignored.
-        for name, values in (("advantages", advantages), ("sampler_log_probs", sampler_log_probs)):
-            if values is None:
-                continue
-            bad = mask & ~torch.isfinite(values)
-            n_bad = int(bad.sum())
+        checked = [(name, values) for name, values in (("advantages", advantages), ("sampler_log_probs",
+                                                                                    sampler_log_probs))
+                   if values is not None]
+        bad = [mask & ~torch.isfinite(values) for _, values in checked]
+        counts = torch.stack([b.sum() for b in bad]).tolist()  # one host sync for every check
+        for (name, values), b, n_bad in zip(checked, bad, counts):
             if n_bad:
-                first = tuple(bad.nonzero()[0].tolist())
+                first = tuple(b.nonzero()[0].tolist())
                 raise ValueError(f"{name} contain NaN or inf at {n_bad} position(s) inside the loss mask, "
                                  f"e.g. (row, position) {first}: {float(values[first])}; expected finite values")
         return advantages, mask
