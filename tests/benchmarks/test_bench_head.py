@@ -19,9 +19,8 @@ def bench(load_benchmark):
     return load_benchmark("bench_head")
 
 
-@pytest.fixture(scope="module")
-def case(bench):
-    gen = torch.Generator().manual_seed(0)
+def _make_case(bench, seed):
+    gen = torch.Generator().manual_seed(seed)
     h = torch.randn(N, H, generator=gen).requires_grad_(True)
     w = (torch.randn(V, H, generator=gen) * (2.0 / H**0.5)).requires_grad_(True)
     y = torch.randint(0, V, (N,), generator=gen)
@@ -31,6 +30,11 @@ def case(bench):
     # rows=16: several reference chunks, the last one partial
     ref = bench.reference64(h, w, y, g1, g2, adv, consts, rows=16)
     return h, w, y, g1, g2, adv, consts, ref
+
+
+@pytest.fixture(scope="module")
+def case(bench):
+    return _make_case(bench, 0)
 
 
 def _check(bench, case, impl, mode):
@@ -134,14 +138,7 @@ def full_objective(bench):
 
 @pytest.fixture
 def full_case(bench, full_objective):
-    gen = torch.Generator().manual_seed(1)
-    h = torch.randn(N, H, generator=gen).requires_grad_(True)
-    w = (torch.randn(V, H, generator=gen) * (2.0 / H**0.5)).requires_grad_(True)
-    y = torch.randint(0, V, (N,), generator=gen)
-    y[torch.rand(N, generator=gen) < 0.25] = bench.IGN
-    g1, g2 = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
-    adv, consts = bench.grpo_inputs(h, w, y, gen)
-    return h, w, y, g1, g2, adv, consts, bench.reference64(h, w, y, g1, g2, adv, consts, rows=16)
+    return _make_case(bench, 1)
 
 
 def test_full_objective_has_every_term(bench, full_case):

@@ -461,27 +461,17 @@ class GRPOLoss(StepLoss):
                                  f"e.g. (row, position) {first}: {float(values[first])}; expected finite values")
         return advantages, mask
 
-    def normalised_loss(
-        self,
-        outputs: ModelOutput,
-        labels: torch.Tensor,
-        total: LossUnits,
-        *,
-        advantages: torch.Tensor,
-        old_log_probs: Optional[torch.Tensor] = None,
-        ref_log_probs: Optional[torch.Tensor] = None,
-        sampler_log_probs: Optional[torch.Tensor] = None,
-        entropy_mask: Optional[torch.Tensor] = None,
-        total_selected_tokens: Optional[int] = None,
-        truncated: Optional[torch.Tensor] = None,
-    ) -> LossOutput:
+    def normalised_loss(self, outputs: ModelOutput, labels: torch.Tensor, total: LossUnits, *,
+                        advantages: torch.Tensor, **inputs) -> LossOutput:
         """This micro-batch's share of the step's loss (the loss contract of the training engine).
 
         Args:
-            outputs, labels, advantages, old_log_probs, ref_log_probs, sampler_log_probs,
-            entropy_mask, total_selected_tokens, truncated: as in :meth:`forward`.
+            outputs, labels, advantages: as in :meth:`forward`.
             total (LossUnits): the whole step's counts, over every micro-batch and rank: the
                 ``total_tokens``, ``total_sequences`` and ``num_micro_batches`` of :meth:`forward`.
+            **inputs: the other per-micro-batch inputs of :meth:`forward` (``old_log_probs``,
+                ``ref_log_probs``, ``sampler_log_probs``, ``entropy_mask``, ``total_selected_tokens``,
+                ``truncated``).
 
         Returns:
             LossOutput: the loss share of :meth:`forward`; its metrics (``num_tokens`` aside), each a
@@ -490,11 +480,8 @@ class GRPOLoss(StepLoss):
             sequence-level ratios with per-completion advantages).
         """
         loss, metrics, per_sequence = self._loss_and_metrics(
-            outputs, labels, advantages, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-            sampler_log_probs=sampler_log_probs, entropy_mask=entropy_mask,
-            total_selected_tokens=total_selected_tokens, truncated=truncated,
-            total_sequences=int(total.sequences), total_tokens=int(total.tokens),
-            num_micro_batches=int(total.micro_batches))
+            outputs, labels, advantages, total_sequences=int(total.sequences), total_tokens=int(total.tokens),
+            num_micro_batches=int(total.micro_batches), **inputs)
         by_tokens = metrics.pop("num_tokens").double() / max(int(total.tokens), 1)
         by_sequences = labels.shape[0] / max(int(total.sequences), 1)
         return LossOutput(loss, {k: v.double() * (by_sequences if k in per_sequence else by_tokens)
@@ -556,9 +543,9 @@ class GRPOLoss(StepLoss):
             total_tokens=total_tokens, num_micro_batches=num_micro_batches)
         return loss, metrics
 
-    def _loss_and_metrics(self, outputs, labels, advantages, *, old_log_probs, ref_log_probs, sampler_log_probs,
-                          entropy_mask, total_selected_tokens, truncated, total_sequences, total_tokens,
-                          num_micro_batches):
+    def _loss_and_metrics(self, outputs, labels, advantages, *, old_log_probs=None, ref_log_probs=None,
+                          sampler_log_probs=None, entropy_mask=None, total_selected_tokens=None, truncated=None,
+                          total_sequences=None, total_tokens=None, num_micro_batches=1):
         head = as_head_input(outputs, type(self).__name__)
         # one advantage per completion: the raw (B,) values, for the per-completion clip metrics
         row_adv = advantages.reshape(-1) if advantages.dim() == 1 or advantages.shape[-1] == 1 else None
