@@ -341,6 +341,7 @@ def test_entropy_bonus_is_the_token_mean_of_the_accumulated_batch():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_type="cispo"), "epsilon_high"),
+    (dict(loss_type="cispo", epsilon_high=0.28), "epsilon_high is the cap"),
     (dict(delta=1.0), "delta"),
     (dict(delta=2.0, loss_type="sapo"), "delta"),
     (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"),

@@ -153,6 +153,20 @@ def test_config_errors(tmp_path, override, match):
         GRPORecipe(tiny_cfg(tmp_path, override))
 
 
+@pytest.mark.parametrize("override, match", [
+    ("loss.sampler_correction_mode=tokn", r"config key 'loss.sampler_correction_mode': sampler_correction_mode "
+                                          r"must be one of"),
+    ("loss.top_entropy_quantile=2", r"config key 'loss.top_entropy_quantile': .* in \[0, 1\]"),
+    ("loss.loss_type=cispo", r"config key 'loss.epsilon_high': epsilon_high is the cap of the importance weight "
+                             r"with loss_type='cispo' \(a ratio >= 1.*got 0.28"),
+    ("loss.sampler_corection=false", r"config key 'loss.sampler_corection': .* no argument 'sampler_corection'"),
+])
+def test_loss_options_are_checked_with_the_config(tmp_path, override, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPORecipe(tiny_cfg(tmp_path, override))
+    assert not any(tmp_path.iterdir())  # before the output folder is claimed
+
+
 def test_prompt_sharing_matches_expanded_recipe_step(tmp_path):
     """prompt_sharing on (one packed sequence per group) vs off: same sampling, same first update."""
     shared = GRPORecipe(tiny_cfg(tmp_path / "on", "max_steps=2", "prompt_sharing=true", "loss.beta=0.05",

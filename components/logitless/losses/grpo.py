@@ -94,8 +94,8 @@ class GRPOLoss(StepLoss):
     Args:
         epsilon (float): lower clip range, ratio clipped below at ``1 - epsilon``. Default 0.2.
         epsilon_high (Optional[float]): upper clip range (DAPO's clip-higher); ``epsilon`` if None.
-            With ``loss_type="cispo"`` it is the cap of the importance weight itself (a ratio, 5.0
-            in ScaleRL; TRL's meaning) and must be given.
+            With ``loss_type="cispo"`` it is the cap of the importance weight itself (a ratio >= 1,
+            5.0 in ScaleRL; TRL's meaning) and must be given.
         beta (float): weight of the KL to the reference policy; 0 disables it (no reference pass).
         loss_type (str): ``"grpo" | "bnpo" | "dr_grpo" | "dapo" | "cispo" | "sapo"``. Default
             ``"dapo"`` (as TRL). ``cispo`` normalises as ``dapo``, ``sapo`` as ``grpo`` (as TRL).
@@ -180,9 +180,9 @@ class GRPOLoss(StepLoss):
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        if loss_type == "cispo" and epsilon_high is None:
-            raise ValueError("loss_type='cispo' caps the importance weight at epsilon_high (a ratio, e.g. 5.0 as "
-                             "in ScaleRL); set epsilon_high explicitly, got None")
+        if loss_type == "cispo" and (not _is_number(epsilon_high) or epsilon_high < 1):
+            raise ValueError(f"epsilon_high is the cap of the importance weight with loss_type='cispo' (a ratio >= 1, "
+                             f"e.g. 5.0 as in ScaleRL; TRL's meaning), got {epsilon_high!r}: set it explicitly")
         epsilon_high = epsilon if epsilon_high is None else epsilon_high
         for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high), ("beta", beta),
                             ("entropy_coef", entropy_coef)):

@@ -12,6 +12,7 @@ from typing import Dict
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torchtune import config as tt_config
 
 from logitless.rl.preflight import check_generation
 from logitless.rl.rewards import build_reward_specs
@@ -146,6 +147,11 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
         raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
                           f"the log-probs must use the sampling temperature (set loss.temperature: "
                           f"${{generation.temperature}})")
+    try:  # the loss checks its own options (GRPOLoss: no model, no tensors); its errors start with the name
+        tt_config.instantiate(cfg.loss)
+    except (ValueError, TypeError) as e:
+        name = str(e).split(" ", 1)[0]
+        raise ConfigError(f"config key 'loss{'.' + name if name in cfg.loss else ''}': {e}") from None
     if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
                           f"CUDA available: {torch.cuda.is_available()}); use 'auto' (cascade)")
