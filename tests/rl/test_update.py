@@ -15,7 +15,7 @@ from logitless.rl.metrics import sampler_mismatch_metrics, update_flops
 from logitless.rl.reference import ReferencePolicy
 from logitless.rl.rollout import Rollout, generate
 from logitless.rl.rollout.sampling import filter_logits
-from logitless.rl.update import _all_values, batch_log_probs, grpo_update
+from logitless.rl.update import _all_values, batch_log_probs_and_entropy, grpo_update
 
 
 def test_policy_batch_labels_mask_and_positions():
@@ -245,7 +245,7 @@ def test_top_entropy_threshold_is_over_the_whole_batch():
         torch.testing.assert_close(p0, p1, rtol=1e-5, atol=1e-7)
     m = copy.deepcopy(base)
     loss_fn.set_model_output(m)
-    _, ent = batch_log_probs(m, loss_fn, batch, 8, return_entropy=True)
+    _, ent = batch_log_probs_and_entropy(m, loss_fn, batch, 8)
     mask = loss_fn.loss_mask(batch.head_labels, batch.truncated)
     want = torch.quantile(ent[mask].float(), 0.6)
     assert results[0][1]["top_entropy/threshold"] == pytest.approx(float(want), rel=1e-6)

@@ -453,10 +453,10 @@ class GRPOLoss(StepLoss):
                                                                                     sampler_log_probs))
                    if values is not None]
         bad = [mask & ~torch.isfinite(values) for _, values in checked]
-        counts = torch.stack([b.sum() for b in bad]).tolist()  # one host sync for every check
-        for (name, values), b, n_bad in zip(checked, bad, counts):
+        counts = torch.stack([where.sum() for where in bad]).tolist()  # one host sync for every check
+        for (name, values), where, n_bad in zip(checked, bad, counts):
             if n_bad:
-                first = tuple(b.nonzero()[0].tolist())
+                first = tuple(where.nonzero()[0].tolist())
                 raise ValueError(f"{name} contain NaN or inf at {n_bad} position(s) inside the loss mask, "
                                  f"e.g. (row, position) {first}: {float(values[first])}; expected finite values")
         return advantages, mask

@@ -36,21 +36,33 @@ TrainBatch = Union[PolicyBatch, SharedGroupBatch]
 #: A micro-batch of the update: its rows of the generation batch, and the micro-batch itself.
 RowsAndBatch = Tuple[slice, TrainBatch]
 @torch.no_grad()
-def batch_log_probs(model: nn.Module, loss_fn, batch: TrainBatch, micro_batch_size: int, *,
-                    return_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (and entropies) of the current policy on the training path (old log-probs),
-    micro-batched; the entropies come from the same pass over the head.
+def batch_log_probs(model: nn.Module, loss_fn, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs of the current policy on the training path (old log-probs), micro-batched.
 
     Args:
         model (nn.Module): the policy, output mode set by ``loss_fn.set_model_output``.
         loss_fn: a ``GRPOLoss``.
         batch (PolicyBatch | SharedGroupBatch): the whole generation batch.
         micro_batch_size (int): completions per forward.
+
+    Returns:
+        torch.Tensor: ``batch.head_labels``-shaped fp32 (``(N, T)`` with a response-only head).
+    """
+    return batch_log_probs_and_entropy(model, loss_fn, batch, micro_batch_size, return_entropy=False)[0]
+
+
+@torch.no_grad()
+def batch_log_probs_and_entropy(model: nn.Module, loss_fn, batch: TrainBatch, micro_batch_size: int, *,
+                                return_entropy: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`batch_log_probs` and the entropies, from the same pass over the head.
+
+    Args:
+        model, loss_fn, batch, micro_batch_size: as in :func:`batch_log_probs`.
         return_entropy (bool): also return the entropies (else None).
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: ``batch.head_labels``-shaped fp32 log-probs
-        and entropies (``(N, T)`` with a response-only head).
+        and entropies.
     """
     parts = [loss_fn.log_probs_and_entropy(mb.forward(model), mb.head_labels, return_entropy=return_entropy)
              for mb in batch.micro_batches(micro_batch_size)]
@@ -207,8 +219,8 @@ def grpo_update(
     loss_fn.set_model_output(model)
     old = entropies = None
     if loss_fn.needs_old_log_probs(num_iterations, sampler_log_probs is not None):
-        old, entropies = batch_log_probs(model, loss_fn, batch, micro_batch_size,
-                                         return_entropy=loss_fn.top_entropy_quantile < 1)
+        old, entropies = batch_log_probs_and_entropy(model, loss_fn, batch, micro_batch_size,
+                                                     return_entropy=loss_fn.top_entropy_quantile < 1)
     ref = None
     if reference is not None:
         ref = torch.cat([reference.log_probs(loss_fn, mb) for mb in micro])
