@@ -52,7 +52,7 @@ MATH = "logitless.rl.rewards.math_correctness"
     # the loss is built before the model: its own checks name the argument
     ({"loss": {"loss_type": "foo"}},
      r"config key 'loss.loss_type' \(logitless.losses.GRPOLoss\): loss_type must be one of \('grpo', 'bnpo', "
-     r"'dr_grpo', 'dapo'\), got 'foo'$"),
+     r"'dr_grpo', 'dapo', 'cispo', 'sapo'\), got 'foo'$"),
     ({"loss": {"epsilon": -1}}, r"config key 'loss.epsilon' \(logitless.losses.GRPOLoss\): epsilon must be a number "
                                 r">= 0, got -1$"),
     ({"loss": {"beta": "abc"}}, r"config key 'loss.beta': logitless.losses.grpo.GRPOLoss expects a number, "
