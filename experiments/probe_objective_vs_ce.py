@@ -6,10 +6,16 @@ whose clock drifts by ~10% under load; here each rep times one GEMM, one CE step
 step back to back (``bench_head.py``'s ``ce`` and ``obj`` modes, ``impl="triton"``, forward and
 backward), so the reported ratio is the median of per-rep ratios objective / CE.
 
+``--objective full`` times the objective with every per-token term of current GRPO practice
+(``bench_head.OBJECTIVES["full"]``: sampler importance weights, ``delta``, the top-entropy token mask
+and the k3 KL) instead of the clipped ratio and entropy bonus alone.
+
 Example::
 
     python experiments/probe_objective_vs_ce.py --shapes qwen05b,qwen7b,llama8b,long --ignore-frac 0.1 \\
         --out experiments/results/objective_vs_ce_h200.csv
+    python experiments/probe_objective_vs_ce.py --objective full --shapes qwen05b,qwen7b --ignore-frac 0.1 \\
+        --out experiments/results/objective_full_vs_ce_h200.csv
 """
 
 import argparse
@@ -27,7 +33,7 @@ import bench_head as B  # noqa: E402
 
 
 #: The CSV's columns.
-FIELDS = ["gpu", "torch", "triton", "quack", "date", "ignore_frac", "shape", "n", "h", "v", "gemm_ms",
+FIELDS = ["gpu", "torch", "triton", "quack", "date", "objective", "ignore_frac", "shape", "n", "h", "v", "gemm_ms",
           "ce_gemms", "obj_gemms", "obj_over_ce", "obj_over_ce_min", "obj_over_ce_max"]
 
 
@@ -44,12 +50,12 @@ def _event_ms(fn):
 def measure(shape, ignore_frac, reps, warmup):
     """One row: GEMM ms, CE and objective in GEMMs, and objective / CE (median, min, max of reps)."""
     h, w, y, g1, g2, gen = B.head_inputs(shape, torch.device("cuda"), ignore_frac=ignore_frac)
-    adv, old = B.grpo_inputs(h, w, y, gen)
+    adv, consts = B.grpo_inputs(h, w, y, gen)
     f_obj, f_ce = B.build("triton", "obj"), B.build("triton", "ce")
     steps = {
         "gemm": lambda: torch.matmul(h.detach(), w.detach().t()),
         "ce": lambda: B.step(f_ce, "ce", h, w, y, g1, g2),
-        "obj": lambda: B.step(f_obj, "obj", h, w, y, adv, old),
+        "obj": lambda: B.step(f_obj, "obj", h, w, y, adv, consts),
     }
     for _ in range(warmup):
         for fn in steps.values():
@@ -71,13 +77,17 @@ def main():
     ap.add_argument("--ignore-frac", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--objective", default="basic", choices=sorted(B.OBJECTIVES),
+                    help="the GRPO objective (full: importance weights, delta, top-entropy mask, k3 KL)")
     ap.add_argument("--out", default=None, help="CSV path (appends rows)")
     args = ap.parse_args()
+    B.set_objective(args.objective)
     import triton
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 quack=B._peer_versions().get("quack-kernels", ""),
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), ignore_frac=args.ignore_frac)
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), objective=args.objective,
+                ignore_frac=args.ignore_frac)
     rows = B._Rows(args.out, FIELDS)  # each row written as soon as it is measured
     for shape in args.shapes.split(","):
         n, hid, v = B.SHAPES[shape]

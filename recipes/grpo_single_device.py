@@ -101,8 +101,9 @@ class GRPORecipe:
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
-        limits = dict(max_seq_len=self.sampler.max_seq_len, max_new_tokens=self.sampler.max_new_tokens,
-                      log=self.runtime.is_rank_zero)  # every prompt must fit the sampler's length limit
+        # every prompt must hold the values its rewards read and fit the sampler's length limit
+        limits = dict(rewards=self.rewards, max_seq_len=self.sampler.max_seq_len,
+                      max_new_tokens=self.sampler.max_new_tokens, log=self.runtime.is_rank_zero)
         self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
         self.eval_dataset = fit_prompts(self.eval_dataset, "eval_dataset", cfg, **limits)
         # output_dir ownership, verified checkpoint, config changes: decided before the policy is built
@@ -243,7 +244,7 @@ class GRPORecipe:
                           micro_batch_size=micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
                           lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None,
-                          guard=self.guard, step=step + 1)
+                          guard=self.guard, step=step + 1, sampler_log_probs=rollout.sampler_log_probs)
         if self.reference is not None:
             self.runtime.release(self.reference.model)
         self.sync_reference(step)
@@ -254,7 +255,9 @@ class GRPORecipe:
             [float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()),
              update_flops(self.flops, rollout.prompt_mask.sum(1), rollout.completion_lengths, group_size=group_size,
                           prompt_once=attention is not None, num_iterations=cfg.num_iterations,
-                          reference=self.reference is not None)], dtype=torch.float64)).tolist()
+                          reference=self.reference is not None,
+                          old_pass=self.loss_fn.needs_old_log_probs(cfg.num_iterations, True))],
+            dtype=torch.float64)).tolist()
         utilisation = mfu(flops, t_end - t_gen, self.peak_flops, self.runtime.world_size)
         return {**metrics, **upd,
                 "prompt_sharing": float(attention is not None), "prompt_sharing_flex": float(attention == "flex"),

@@ -19,8 +19,9 @@ class Rollout:
         completion_mask (torch.Tensor): ``(N, T)`` bool, True up to and including the first stop token.
         truncated (torch.Tensor): ``(N,)`` bool, True where no stop token was produced.
         sampler_log_probs (torch.Tensor): ``(N, T)`` fp32 log-probs of the sampled tokens under the
-            full tempered distribution (0 where masked); for diagnostics and tests only: the
-            training path recomputes old log-probs.
+            full tempered distribution of the sampler's logits, before top-k / top-p (0 where
+            masked): the quantity the training path recomputes as old log-probs, so their ratio is
+            the sampler-trainer mismatch alone (``GRPOLoss``'s ``sampler_correction``).
         num_generations (int): G.
     """
 

@@ -197,6 +197,12 @@ class TokenMeanLoss(StepLoss):
         return LossOutput(self.token_mean(outputs, labels) * share, {})
 
 
+def check_num_output_chunks(num_output_chunks: int) -> None:
+    """Raises ValueError unless ``num_output_chunks`` (chunks of a logit-list output) is an int >= 1."""
+    if isinstance(num_output_chunks, bool) or not isinstance(num_output_chunks, int) or num_output_chunks < 1:
+        raise ValueError(f"num_output_chunks must be an int >= 1, got {num_output_chunks!r}")
+
+
 def as_head_input(outputs: ModelOutput, loss_name: str) -> HeadInput:
     """Checks that the model returned hidden states (output mode ``"hidden"``)."""
     if isinstance(outputs, HeadInput):

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from logitless.losses._base import ModelOutput, TokenMeanLoss, as_head_input, label_chunks, logit_chunks
+from logitless.losses._base import (ModelOutput, TokenMeanLoss, as_head_input, check_num_output_chunks, label_chunks,
+                                     logit_chunks)
 from logitless.modules import HeadInput
 from logitless.ops import _validate, linear_cross_entropy
 
@@ -54,6 +55,7 @@ class CEWithChunkedOutputLoss(TokenMeanLoss):
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_num_output_chunks(num_output_chunks)
         _validate.check_chunk_size(chunk_size)
         self.num_output_chunks = num_output_chunks
         self.ignore_index = ignore_index

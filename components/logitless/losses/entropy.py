@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from logitless.losses._base import ModelOutput, TokenMeanLoss, label_chunks, logit_chunks
+from logitless.losses._base import ModelOutput, TokenMeanLoss, check_num_output_chunks, label_chunks, logit_chunks
 from logitless.modules import HeadInput
 from logitless.ops import linear_log_probs
 
@@ -45,6 +45,7 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
         gemm_backend: Optional[str] = None,
     ):
         super().__init__()
+        check_num_output_chunks(num_output_chunks)
         self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
 

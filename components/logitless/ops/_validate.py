@@ -44,7 +44,7 @@ def check_reduction(reduction: str) -> None:
 
 
 def check_temperature(temperature: float) -> None:
-    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, (torch.Tensor, bool)) or not isinstance(temperature, (int, float)):
         raise ValueError(
             f"temperature must be a positive Python float, got {type(temperature).__name__} "
             f"{temperature!r}"

@@ -208,8 +208,8 @@ def linear_token_objective(
         token_objective (Callable): ``f(logp, ent, rows) -> scalar tensor``: ``rows`` a 1-D int64
             tensor of indices into the flattened ``labels`` (``labels.reshape(-1)``), non-ignored
             rows only, each row in exactly one call; ``logp``/``ent`` their log-probs and
-            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` impl on float64
-            inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
+            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` and
+            ``"chunked"`` impls on float64 inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
             constants are gathered as ``const.reshape(-1)[rows]``. A
             :class:`~logitless.ops.RowObjective` names its constants instead, which lets the
             ``"triton"`` head on CUDA replay one captured graph of it across calls.

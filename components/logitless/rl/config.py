@@ -15,14 +15,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from logitless.generation.builder import build_sampler
 from logitless.generation.config import SamplerConfig
+from logitless.losses import GRPOLoss
 from logitless.rl.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, advantage_settings
+from logitless.rl.preflight import ON_MISSING_ANSWER
 from logitless.rl.reference import check_reference_sync
 from logitless.rl.rewards import build_reward_specs
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
 from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
 from logitless.training.config import ConfigError, Key, validate_config
+from logitless.training.data_fingerprint import FINGERPRINT_KEY
 from logitless.training.distributed import FSDP_KEYS
-from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer
+from logitless.training.preflight import ON_TOO_LONG, check_components
 from logitless.training.resume import RESUME_KEYS, validate_resume_config
 from logitless.training.threads import CPU_THREADS_KEY, check_cpu_threads
 
@@ -102,14 +105,18 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "eval_num_prompts": Key((int, None), default=None, min=1),
     "eval_batch_size": Key(int, default=64, min=1),
     "eval_reward": Key((str, None), default=None, doc="reward whose mean is eval accuracy (default: first)"),
+    "on_missing_answer": Key(str, default="drop", choices=ON_MISSING_ANSWER,
+                             doc="prompts whose answer (a column a reward function needs) is missing or empty: "
+                                 "drop them (counted in the log at start) or stop with an error naming the row"),
     "on_too_long": Key(str, default="drop", choices=ON_TOO_LONG,
                        doc="prompts with prompt + max_new_tokens > the model's max_seq_len: drop, keep their end "
                            "(truncate), or stop with an error; counts are logged at start"),
 }
-# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes;
+# data_fingerprint.dataset: the training data files' sizes and hashes (training.data_fingerprint).
 GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
                         "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
-                        "checkpointer.checkpoint_files", "checkpointer.model_type")
+                        "checkpointer.checkpoint_files", "checkpointer.model_type", f"{FINGERPRINT_KEY}.dataset")
 
 
 def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
@@ -141,9 +148,8 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     if not isinstance(gen, DictConfig) or "max_new_tokens" not in gen:
         raise ConfigError(f"config key 'generation': expected a mapping with max_new_tokens, got {gen!r}")
     sampler_config = SamplerConfig.from_config(gen)  # every generation key, named when it is bad
-    check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
     check_cpu_threads(cfg.cpu_threads)
-    check_optimizer(cfg.optimizer)
+    check_components(cfg, loss_class=GRPOLoss)
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
                           f"over {world_size} ranks; expected a multiple of the world size {world_size}")

@@ -1,6 +1,12 @@
-"""GRPO checks that run before the model is built: every prompt's length against the model's
-``max_seq_len`` (the ``generation:`` values are checked by
+"""GRPO checks that run before the model is built: the dataset columns the rewards read, and every
+prompt's length against the model's ``max_seq_len`` (the ``generation:`` values are checked by
 :class:`~logitless.generation.config.SamplerConfig`).
+
+A reward function names the columns it needs as arguments (``math_correctness(prompts, completions,
+answer, **kwargs)``): a dataset without one fails here, not at the first step after the model build
+and the first generation. A prompt whose needed value is missing (None) or empty would score 0 on
+every completion with no word: :func:`check_reward_columns` counts them at start and
+``on_missing_answer`` drops them (counted in the log) or stops naming the first one.
 
 A prompt of P tokens is sampled into a sequence of P + ``max_new_tokens`` tokens; one that does
 not fit would fail at the first step that draws it (possibly many steps in). Here every prompt
@@ -16,10 +22,121 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from logitless.rl.rewards import COMPLETION_IDS, RewardSpec, reward_columns
 from logitless.training.config import ConfigError
 from logitless.training.preflight import ON_TOO_LONG, RowSubset
+
+#: What a GRPO recipe does with a prompt whose answer (a column a reward needs) is missing or empty.
+ON_MISSING_ANSWER = ("drop", "error")
+#: Row keys that are the prompt itself, not columns handed to the rewards.
+PROMPT_KEYS = ("prompt", "prompt_tokens")
+
+
+def _blank(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
+
+
+@dataclass
+class AnswerReport:
+    """What the answer check found, for the log at start.
+
+    Attributes:
+        rows (int): prompts in the dataset.
+        kept (int): prompts sampled from.
+        missing (int): prompts with a needed column None or empty.
+        columns (Tuple[str, ...]): the columns the rewards need.
+        first (Optional[Tuple[int, str, Any]]): the first such prompt (row, column, value).
+        action (str): the ``on_missing_answer`` setting.
+    """
+
+    rows: int
+    kept: int
+    missing: int
+    columns: Tuple[str, ...]
+    first: Optional[Tuple[int, str, Any]]
+    action: str
+
+    def message(self, what: str = "dataset") -> str:
+        """One line for the log."""
+        if not self.missing:
+            return f"{what}: every prompt has a value for {list(self.columns)}"
+        i, col, v = self.first
+        return (f"{what}: {self.missing} of {self.rows} prompts have no value for a column a reward needs "
+                f"(first: row {i}, {col!r} = {v!r}); {self.rows - self.kept} dropped "
+                f"(on_missing_answer={self.action!r})")
+
+
+def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_missing_answer: str,
+                         key: str = "dataset") -> Tuple[Any, AnswerReport]:
+    """Checks that every reward finds its columns in ``dataset``, and counts the prompts whose needed
+    values are missing or empty.
+
+    Args:
+        dataset: prompt rows ``{"prompt_tokens", "prompt", **columns}``.
+        rewards (Sequence[RewardSpec]): the run's rewards (:func:`~logitless.rl.rewards.build_reward_specs`).
+        on_missing_answer (str): ``"drop"`` (keep the other prompts, counted) or ``"error"``.
+        key (str): the dataset's config key, for messages.
+
+    Returns:
+        Tuple[Any, AnswerReport]: the dataset to sample from (the same object when nothing is dropped)
+        and the report.
+
+    Raises:
+        ConfigError: a reward needs a column the dataset lacks, or cannot take one it has (no
+            ``**kwargs``); a missing value with ``on_missing_answer="error"`` (naming the row, the column
+            and the file); no prompt left.
+
+    Example:
+        >>> ds, report = check_reward_columns(ds, specs, on_missing_answer="drop")
+        >>> report.message()
+        'dataset: 2 of 44 prompts have no value for a column a reward needs (first: row 0, ...'
+    """
+    if on_missing_answer not in ON_MISSING_ANSWER:
+        raise ConfigError(f"config key 'on_missing_answer': expected one of {list(ON_MISSING_ANSWER)}, "
+                          f"got {on_missing_answer!r}")
+    n = len(dataset)
+    columns = [c for c in dataset[0] if c not in PROMPT_KEYS] if n else []
+    given = columns + [COMPLETION_IDS]  # the recipe passes the sampled token ids too
+    source = getattr(dataset, "source", "") or key
+    needed: List[str] = []
+    for i, spec in enumerate(rewards):
+        required, accepted = reward_columns(spec.function)
+        lacking = [c for c in required if c not in given]
+        if lacking:
+            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} reads the column {lacking[0]!r}, "
+                              f"which {key} ({source}) does not have; its columns are {columns}. Expected a dataset "
+                              f"with that column (prompt_dataset's answer_column exposes another column as 'answer')")
+        extra = [c for c in given if accepted is not None and c not in accepted]
+        if extra:
+            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} is given every column of {key} and "
+                              f"{COMPLETION_IDS!r} as keyword arguments, but takes none named {extra[0]!r}; expected a "
+                              f"signature ending in **kwargs (f(prompts, completions, "
+                              f"{', '.join(required + ('**kwargs',))}))")
+        needed += [c for c in required if c not in needed and c in columns]
+    kept: List[int] = []
+    first: Optional[Tuple[int, str, Any]] = None
+    for i in range(n):
+        row = dataset[i]
+        blank = next((c for c in needed if _blank(row.get(c))), None)
+        if blank is None:
+            kept.append(i)
+        elif first is None:
+            first = (i, blank, row.get(blank))
+    report = AnswerReport(n, len(kept), n - len(kept), tuple(needed), first, on_missing_answer)
+    if first is not None and on_missing_answer == "error":
+        i, col, v = first
+        raise ConfigError(f"config key 'on_missing_answer': 'error', and {key} ({source}) row {i} has {col!r} = {v!r}; "
+                          f"{report.missing} of {n} prompts have no value for {list(needed)}, which the rewards need "
+                          f"(every completion would score 0). Expected a value in every row: fix the data, or set "
+                          f"on_missing_answer=drop")
+    if not kept:
+        raise ConfigError(f"config key {key!r}: no prompt left to sample: {report.message(key)}. Expected at least "
+                          f"one prompt with a value for {list(needed)}")
+    if len(kept) == n:
+        return dataset, report
+    return RowSubset(dataset, kept), report
 
 
 @dataclass
@@ -136,4 +253,5 @@ def fit_prompt_dataset(dataset: Any, *, max_seq_len: Optional[int], max_new_toke
     return PromptSubset(dataset, kept, room if truncated else None), report
 
 
-__all__ = ["PromptReport", "PromptSubset", "fit_prompt_dataset"]
+__all__ = ["ON_MISSING_ANSWER", "AnswerReport", "PromptReport", "PromptSubset", "check_reward_columns",
+           "fit_prompt_dataset"]
