@@ -1,7 +1,7 @@
 """Decode against the memory-bandwidth roofline: what a GRPO rollout costs per step and per token.
 
-For each model (torchtune Qwen2.5 builders, random bf16 weights), row count (P prompts x G=16),
-prompt length and number of new tokens, every sampler samples the same prompts twice:
+For each model (torchtune Qwen2.5 builders, logitless's Qwen3-1.7B; random bf16 weights), row count
+(P prompts x G=16), prompt length and number of new tokens, every sampler samples the same prompts twice:
 
 * ``uniform``: no stop token can fire, every row decodes ``new_tokens`` tokens. Reported per decode
   step: the time (total minus a one-token call's prefill, over ``new_tokens - 1`` steps), the bytes
@@ -34,6 +34,7 @@ Example (H200):
         --profile
     PYTHONPATH=components python benchmarks/bench_generation.py --models 0.5b,1.5b --rows 16,64 --new-tokens 512 \\
         --decode-attention sdpa,split_k
+    PYTHONPATH=components python benchmarks/bench_generation.py --models qwen3_1_7b --rows 16,64 --new-tokens 512
     PYTHONPATH=components python benchmarks/bench_generation.py --models tiny --device cpu --no-compile  # smoke
 """
 
@@ -60,7 +61,9 @@ MODELS = {  # name: torchtune builder
     "0.5b": "torchtune.models.qwen2_5.qwen2_5_0_5b",
     "1.5b": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
     "7b": "torchtune.models.qwen2_5.qwen2_5_7b_instruct",
+    "qwen3_1_7b": "logitless.models.qwen3_1_7b",
     "tiny": "logitless.models.qwen2_5_tiny",  # CPU smoke test of this script
+    "qwen3_tiny": "logitless.models.qwen3_tiny",
 }
 SAMPLERS = ("compiled", "unfused", "baseline", "eager")
 ATTENTIONS = ("sdpa", "split_k")  # CompiledSampler(decode_attention=...)

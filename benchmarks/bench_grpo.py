@@ -1,6 +1,7 @@
 """One GRPO step (generation + policy update) of our recipe's code path, per log-prob implementation.
 
-Random-weight Qwen2.5 models (no download), one prompt of ``--prompt-len`` random tokens, ``--G``
+Random-weight models (no download; Qwen2.5 by default, ``--models qwen3_1_7b`` and any other
+``logitless.models.MODELS`` key), one prompt of ``--prompt-len`` random tokens, ``--G``
 completions of exactly ``--completion-len`` tokens (no stop token can end them early), rewards drawn
 at random (the compute does not depend on them), then the update: policy forward + backward over the
 G completions in micro-batches with activation checkpointing (``--no-activation-checkpointing``:
@@ -45,6 +46,7 @@ TRL is measured in the same run only when it is importable (``trl``); otherwise 
     python benchmarks/bench_grpo.py                          # GPU: 0.5B and 1.5B, G=16, 1024 + 512
     python benchmarks/bench_grpo.py --search-limits          # + largest G / completion length that fit
     python benchmarks/bench_grpo.py --models tiny --device cpu --G 4 --prompt-len 16 --completion-len 8
+    python benchmarks/bench_grpo.py --models qwen3_1_7b --generator fast --impls triton,triton+prompt_once
     python benchmarks/bench_grpo.py --impls chunked,triton,triton+prompt_once,triton+prompt_once_flex
     python benchmarks/bench_grpo.py --update-only --models 0.5b,1.5b,7b --G 8,16 --prompt-len 256,1024 \
         --completion-len 512,2048 --micro-batch-size G --impls no_head,full_logits,chunked,triton,triton+prompt_once
@@ -130,19 +132,20 @@ def synthetic_rollout(prompt, G: int, completion_len: int, vocab: int, device, g
                    sampler_log_probs=torch.zeros(G, completion_len, device=device), num_generations=G)
 
 
+#: --models names of the Qwen2.5 rows; any other logitless.models.MODELS key works too (qwen3_1_7b, llama3_2_1b, ...)
+QWEN2_5_MODELS = {"tiny": "tiny", "0.5b": "qwen2_5_0_5b", "1.5b": "qwen2_5_1_5b", "7b": "qwen2_5_7b"}
+
+
 def build_model(name: str, device: torch.device, dtype: torch.dtype):
     from torchtune import training
 
-    if name == "tiny":
-        from logitless.models import qwen2_5_tiny as builder
-    elif name == "0.5b":
-        from torchtune.models.qwen2_5 import qwen2_5_0_5b as builder
-    elif name == "1.5b":
-        from torchtune.models.qwen2_5 import qwen2_5_1_5b_instruct as builder
-    elif name == "7b":
-        from torchtune.models.qwen2_5 import qwen2_5_7b_instruct as builder
-    else:
-        raise ValueError(f"--models: unknown model {name!r} (tiny, 0.5b, 1.5b, 7b)")
+    from logitless.models import MODELS, named_builder
+
+    key = QWEN2_5_MODELS.get(name, name)
+    if key not in MODELS:
+        raise ValueError(f"--models: unknown model {name!r}; expected one of {sorted(QWEN2_5_MODELS)} or a "
+                         f"logitless.models.MODELS key {sorted(MODELS)}")
+    builder = named_builder(key)
     with training.set_default_dtype(dtype), device:
         model = builder()
     with torch.no_grad():  # HF-style init scale: a spread-out sampling distribution

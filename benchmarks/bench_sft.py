@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One SFT training step (forward, loss, backward, AdamW) of a real Qwen2.5 architecture with random
+"""One SFT training step (forward, loss, backward, AdamW) of a real Qwen2.5 / Qwen3 architecture with random
 weights, per head/loss choice: peak memory, step time, and the head's overhead over a "no head" step.
 
 Variants (each measured in its own subprocess, so peaks do not leak between them):
@@ -22,6 +22,7 @@ Same model, sequence length, batch, activation checkpointing (on by default) and
     python benchmarks/bench_sft.py --model qwen2_5_0_5b --batch 8 --seq 8192
     python benchmarks/bench_sft.py --model qwen2_5_7b --batch 4 --seq 4096 --plain
     python benchmarks/bench_sft.py --model qwen2_5_0_5b --seq 8192 --max-batch   # largest batch per variant
+    python benchmarks/bench_sft.py --model qwen3_1_7b --batch 1 --seq 65536 --variants no_head,logitless_fused
     python benchmarks/bench_sft.py --model qwen2_5_7b --batch 1 --seq 32768 --compile \
         --variants no_head,torchtune_chunked_compiled,logitless_fused        # issue 16's SFT target
     python benchmarks/bench_sft.py --quick                                       # tiny model, seconds
@@ -47,6 +48,7 @@ MODELS = {
     "qwen2_5_1_5b": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
     "qwen2_5_3b": "torchtune.models.qwen2_5.qwen2_5_3b",
     "qwen2_5_7b": "torchtune.models.qwen2_5.qwen2_5_7b_instruct",
+    "qwen3_1_7b": "logitless.models.qwen3_1_7b",
     "tiny": "logitless.models.qwen2_5_tiny",
 }
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -23,6 +23,14 @@ def test_every_sampler_and_mix_runs_and_writes_a_row(bench, tmp_path):
         assert 1 <= float(r["mean_len"]) <= 6
 
 
+def test_qwen3_1_7b_is_a_model_choice(bench):
+    from torchtune.config._utils import _get_component_from_path
+
+    from logitless.models import qwen3_1_7b
+
+    assert _get_component_from_path(bench.MODELS["qwen3_1_7b"]) is qwen3_1_7b
+
+
 def test_step_bytes_count_each_weight_once_and_the_filled_cache(bench):
     from logitless.models import qwen2_5_tiny, qwen2_5_tiny_untied
 

@@ -134,3 +134,15 @@ def test_rows_carry_the_versions_and_date_of_their_run(bench, tmp_path):
     assert row["triton"] == version("triton") and row["torchtune"] == version("torchtune")
     stamp = datetime.datetime.fromisoformat(row["date"])
     assert abs((datetime.datetime.now(datetime.timezone.utc) - stamp).total_seconds()) < 600
+
+
+def test_models_are_named_by_the_qwen2_5_short_names_or_any_logitless_key(bench):
+    from logitless.models import model_family
+
+    assert model_family(bench.build_model("qwen3_tiny", torch.device("cpu"), torch.float32)) == "qwen3"
+    assert model_family(bench.build_model("tiny", torch.device("cpu"), torch.float32)) == "qwen2"
+    with torch.device("meta"):
+        big = bench.build_model("qwen3_1_7b", torch.device("meta"), torch.bfloat16)
+    assert model_family(big) == "qwen3" and big.layers[0].attn.head_dim == 128 and len(big.layers) == 28
+    with pytest.raises(ValueError, match=r"--models: unknown model 'qwen9'"):
+        bench.build_model("qwen9", torch.device("cpu"), torch.float32)

@@ -26,10 +26,12 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("tied,lora", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("tied,lora,family", [(True, False, "qwen2"), (False, False, "qwen2"), (False, True, "qwen2"),
+                                              (True, True, "qwen2"), (True, False, "qwen3"), (False, True, "qwen3"),
+                                              (True, True, "llama"), (False, False, "llama")])
 @pytest.mark.parametrize("loss_cls", [CEWithChunkedOutputLoss, LinearCrossEntropyLoss])
-def test_wrapped_matches_plain_cross_entropy(make_model, tied, lora, loss_cls):
-    plain = make_model(tied, lora)
+def test_wrapped_matches_plain_cross_entropy(make_model, tied, lora, family, loss_cls):
+    plain = make_model(tied, lora, family=family)
     wrapped = copy.deepcopy(plain)
     tokens, labels = _batch()
 

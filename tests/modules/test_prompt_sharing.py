@@ -40,9 +40,10 @@ def _expanded_log_probs(model, prompts, completions, mask):
     return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_shared_prompt_matches_expanded_batch(make_model, tied):
-    expanded = wrap_output_head(make_model(tied))
+@pytest.mark.parametrize("tied,family", [(True, "qwen2"), (False, "qwen2"), (True, "qwen3"), (False, "qwen3"),
+                                         (True, "llama")])
+def test_shared_prompt_matches_expanded_batch(make_model, tied, family):
+    expanded = wrap_output_head(make_model(tied, family=family))
     expanded.set_output_mode("hidden")
     shared = copy.deepcopy(expanded)
     prompts, completions, mask = _groups()
@@ -62,7 +63,9 @@ def test_shared_prompt_matches_expanded_batch(make_model, tied):
     torch.testing.assert_close(got_ent, want_ent, rtol=1e-5, atol=1e-5)
     assert (got_lp[~mask] == 0).all()
     for (name, p), q in zip(expanded.named_parameters(), shared.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 rounding of a sum over a different order: within 1e-6 of the gradient's scale
+        atol = 1e-6 * max(1.0, p.grad.abs().max().item())
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_completion_rows_drop_prompt_positions():

@@ -1,5 +1,7 @@
-"""What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention."""
+"""What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention,
+and the attention variant torchtune 0.6.1 lacks (per-head q/k norms before the rotary embedding)."""
 
+from logitless.modules.attention import QKNormAttention
 from logitless.modules.cascade_attention import (
     CascadeLayout,
     cascade_attention,
@@ -20,6 +22,7 @@ __all__ = [
     "CascadeLayout",
     "HeadInput",
     "OUTPUT_MODES",
+    "QKNormAttention",
     "SharedPromptBatch",
     "cascade_attention",
     "cascade_layout",

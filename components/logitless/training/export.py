@@ -1,17 +1,19 @@
 """What makes a checkpoint folder a complete model folder: tokenizer files, generation config, a
-``config.json`` whose dtype is the stored weights', HF weights for random-init runs, and a PEFT adapter
-that is correct for the model family.
+``config.json`` true to the model family whose dtype is the stored weights', HF weights for
+random-init runs, and a PEFT adapter that is correct for the model family.
 
 torchtune 0.6.1's PEFT export (``tune_to_peft_adapter_weights``) applies Llama's RoPE row permutation
-to the q/k ``lora_B`` of every model; Qwen2's HF weights are not permuted, so its adapters come out
-wrong. :func:`tune_to_peft_adapter` instead asks the base model's own tune->HF converter what it does
-to the rows of each adapted weight and applies exactly that to ``lora_B`` (and DoRA magnitudes): the
-adapter then matches the base weights HF loads, for any family whose conversion permutes rows.
+to the q/k ``lora_B`` of every model; Qwen2's and Qwen3's HF weights are not permuted, so their
+adapters come out wrong. :func:`tune_to_peft_adapter` instead asks the base model's own tune->HF
+converter (:mod:`logitless.models.convert`) what it does to the rows of each adapted weight and
+applies exactly that to ``lora_B`` (and DoRA magnitudes): the adapter then matches the base weights
+HF loads, for every family (Llama's permutation for Llama, none for Qwen2 / Qwen3).
 
 Layout written into a checkpoint folder (see docs/export.md)::
 
     config.json, model-*.safetensors, model.safetensors.index.json   the (merged) model
-    tokenizer.json, tokenizer_config.json, vocab.json, merges.txt     AutoTokenizer
+    tokenizer.json, tokenizer_config.json, vocab.json, merges.txt,    AutoTokenizer
+    chat_template.jinja (where the source has one)
     generation_config.json
     adapter/adapter_model.safetensors, adapter/adapter_config.json    PEFT adapter (LoRA runs)
 
@@ -32,12 +34,11 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torchtune import config as tt_config
-from torchtune.models import convert_weights
-from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
-from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import TiedLinear
 
 from logitless.datasets import TINY_TOKENIZER_DIR, hf_generation_config, hf_tokenizer_config
+from logitless.models import convert as weight_conversion
+from logitless.models.hf import hf_config_from_model, model_type_of
+from logitless.models.qwen3_tokenizer import QWEN3_CHAT_TEMPLATE, Qwen3Tokenizer
 from logitless.training import model as model_utils
 from logitless.training.config import ConfigError
 
@@ -50,14 +51,11 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json")
+                   "added_tokens.json", "chat_template.jinja")  # transformers 5 keeps the template in its own file
 HF_WEIGHTS = "model.safetensors"
 
 # Tokenizer builders whose files ship with the package.
 _BUNDLED_TOKENIZER_DIRS = {"logitless.datasets.tiny_qwen2_5_tokenizer": TINY_TOKENIZER_DIR}
-# torchtune model types whose checkpointer conversion is plain key renaming + row permutations of
-# q/k (convert_weights.tune_to_hf), or renaming only (QWEN2).
-_RENAMING_TYPES = ("LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "QWEN2")
 # PEFT module names of torchtune's LoRA targets; the HF module name comes from the converter.
 _PEFT_KEY = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
@@ -86,51 +84,6 @@ def set_config_dtype(config_path: Path, dtype: torch.dtype) -> None:
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def hf_config_from_model(model: nn.Module) -> Optional[Dict[str, Any]]:
-    """``config.json`` content (``Qwen2ForCausalLM``) describing a torchtune Qwen2 decoder.
-
-    Args:
-        model (nn.Module): a ``TransformerDecoder`` built by torchtune's ``qwen2`` / ``lora_qwen2``
-            component builders (any size, tied or untied head).
-
-    Returns:
-        Optional[Dict[str, Any]]: the config (no dtype: set from the weights when saved), or None
-        when the model is not a Qwen2 decoder (its architecture cannot be named for transformers).
-
-    Example:
-        >>> hf_config_from_model(qwen2_5_tiny())["num_key_value_heads"]
-        2
-    """
-    layers = getattr(model, "layers", None)
-    attn = getattr(layers[0], "attn", None) if layers else None
-    if attn is None or not isinstance(getattr(attn, "pos_embeddings", None), Qwen2RotaryPositionalEmbeddings):
-        return None
-    emb, rope = model.tok_embeddings, attn.pos_embeddings
-    num_layers = len(layers)
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "hidden_size": emb.embedding_dim,
-        "intermediate_size": int(layers[0].mlp.w1.weight.shape[0]),
-        "num_attention_heads": attn.num_heads,
-        "num_key_value_heads": attn.num_kv_heads,
-        "head_dim": attn.head_dim,
-        "num_hidden_layers": num_layers,
-        "vocab_size": emb.num_embeddings,
-        "max_position_embeddings": int(model.max_seq_len),
-        "max_window_layers": num_layers,
-        "rope_theta": float(rope.base),
-        "rms_norm_eps": float(model.norm.eps),
-        "tie_word_embeddings": isinstance(model.output, TiedLinear),
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-    }
-
-
 def model_arch(model: nn.Module) -> Dict[str, int]:
     """Head counts and widths of a torchtune decoder (what the tune->HF converters take)."""
     attn = model.layers[0].attn
@@ -139,26 +92,22 @@ def model_arch(model: nn.Module) -> Dict[str, int]:
 
 
 def tune_to_hf_converter(model_type: str, arch: Dict[str, int]) -> Callable[[Dict[str, Any]], Dict[str, Any]]:
-    """The tune->HF weight conversion torchtune's ``FullModelHFCheckpointer`` applies for ``model_type``.
+    """The tune->HF weight conversion of the checkpointer's ``model_type`` (:mod:`logitless.models.convert`).
 
     Args:
-        model_type (str): the checkpointer's ``model_type`` (e.g. ``"QWEN2"``).
+        model_type (str): the checkpointer's ``model_type`` (e.g. ``"QWEN2"``, ``"QWEN3"``, ``"LLAMA3"``).
         arch (Dict[str, int]): :func:`model_arch` of the model.
 
     Returns:
         Callable: state dict (tune names) -> state dict (HF names).
 
     Raises:
-        ConfigError: for a model type whose conversion is not renaming + row permutations.
+        ConfigError: naming ``checkpointer.model_type`` when the type has no conversion here.
     """
-    kw = dict(num_heads=arch["num_heads"], num_kv_heads=arch["num_kv_heads"], dim=arch["dim"],
-              head_dim=arch["head_dim"])
-    if model_type == "QWEN2":
-        return lambda sd: qwen2_tune_to_hf(sd, tie_word_embeddings=False, **kw)
-    if model_type in _RENAMING_TYPES:
-        return lambda sd: convert_weights.tune_to_hf(sd, **kw)
-    raise ConfigError(f"config key 'checkpointer.model_type': {model_type!r} has no PEFT adapter export; "
-                      f"expected one of {list(_RENAMING_TYPES)} for a LoRA run")
+    if model_type not in weight_conversion.CONVERTIBLE_MODEL_TYPES:
+        raise ConfigError(f"config key 'checkpointer.model_type': {model_type!r} has no PEFT adapter export; "
+                          f"expected one of {list(weight_conversion.CONVERTIBLE_MODEL_TYPES)} for a LoRA run")
+    return weight_conversion.tune_to_hf_converter(model_type, arch)
 
 
 def _row_permutation(convert, key: str, shape: torch.Size) -> torch.Tensor:
@@ -260,8 +209,9 @@ class ModelExport:
     and HF weights + config.json for random-init runs (no checkpointer).
 
     Args:
-        model_type (Optional[str]): torchtune model type (the checkpointer's, or inferred: ``"QWEN2"``);
-            None when unknown (random-init non-Qwen2 models: torchtune-format weights, no PEFT export).
+        model_type (Optional[str]): torchtune model type (the checkpointer's, or the model's family's:
+            ``QWEN2``, ``QWEN3``, ``LLAMA3`` / ``LLAMA3_2``); None when unknown (another architecture
+            without a checkpointer: torchtune-format weights, no PEFT export).
         arch (Dict[str, int]): :func:`model_arch` of the model.
         hf_config (Optional[Dict]): :func:`hf_config_from_model`, for random-init runs.
         tokenizer_cfg (Optional[DictConfig]): the recipe's ``tokenizer`` node.
@@ -284,7 +234,8 @@ class ModelExport:
         if adapter_config is not None:
             if model_type is None:
                 raise ConfigError("config key 'checkpointer.model_type': needed to export a PEFT adapter (the "
-                                  "model is not a Qwen2 decoder and model_init=random names no checkpointer)")
+                                  "model is not a Qwen2 / Qwen3 / Llama decoder and model_init=random names no "
+                                  "checkpointer)")
             tune_to_hf_converter(model_type, arch)  # raises for a type we cannot export, before any step
 
     @classmethod
@@ -302,8 +253,7 @@ class ModelExport:
         """
         hf_config = hf_config_from_model(model)
         ckpt = cfg.get("checkpointer") if cfg.get("model_init", "checkpoint") == "checkpoint" else None
-        model_type = str(ckpt.model_type) if ckpt is not None and "model_type" in ckpt else (
-            "QWEN2" if hf_config is not None else None)
+        model_type = str(ckpt.model_type) if ckpt is not None and ckpt.get("model_type") else model_type_of(model)
         base = None
         if ckpt is not None:
             base = str(Path(ckpt.checkpoint_dir).resolve())
@@ -315,13 +265,13 @@ class ModelExport:
     # -------------------------------------------------------------- weights (random-init runs)
     @property
     def writes_hf_weights(self) -> bool:
-        """Whether weights without a checkpointer can be written in HF format (a Qwen2 model)."""
+        """Whether weights without a checkpointer can be written in HF format (a Qwen2 / Qwen3 / Llama model)."""
         return self.hf_config is not None
 
     def write_hf_weights(self, folder: Path, tune_state: Dict[str, torch.Tensor]) -> List[str]:
         """Writes ``model.safetensors`` (HF names) + ``config.json`` from the model; returns the weight files."""
-        convert = tune_to_hf_converter("QWEN2", self.arch)
-        hf_state = {k: v.contiguous() for k, v in convert(dict(tune_state)).items()}
+        to_hf = weight_conversion.tune_to_hf_converter(self.model_type, self.arch)
+        hf_state = {k: v.contiguous() for k, v in to_hf(dict(tune_state)).items()}
         save_file(hf_state, str(folder / HF_WEIGHTS), metadata={"format": "pt"})
         config = dict(self.hf_config, dtype=torch_dtype_name(state_dtype(hf_state)))
         config["torch_dtype"] = config["dtype"]
@@ -337,7 +287,7 @@ class ModelExport:
         for f in files:
             hf_state.update(load_file(str(folder / f)))
         tied = json.loads((folder / CONFIG).read_text()).get("tie_word_embeddings", False)
-        return qwen2_hf_to_tune(hf_state, tie_word_embeddings=tied, **self.arch)
+        return weight_conversion.hf_to_tune_converter(self.model_type, self.arch, tie_word_embeddings=tied)(hf_state)
 
     # -------------------------------------------------------------- tokenizer
     @property
@@ -355,6 +305,8 @@ class ModelExport:
             return bundled
         for key in ("path", "merges_file", "special_tokens_path"):
             value = self.tokenizer_cfg.get(key)
+            if value and Path(value).is_dir():  # a checkpoint folder (logitless.models.hf_tokenizer)
+                return Path(value)
             if value and Path(value).is_file():
                 return Path(value).parent
         return None
@@ -375,7 +327,9 @@ class ModelExport:
             log.warning("checkpoint %s: no HF tokenizer files (the tokenizer %s has none to copy)", folder,
                         self.tokenizer_cfg.get("_component_") if self.tokenizer_cfg is not None else None)
         elif not (folder / TOKENIZER_CONFIG).is_file() and self._is_qwen2_tokenizer():
-            (folder / TOKENIZER_CONFIG).write_text(json.dumps(hf_tokenizer_config(self.tokenizer), indent=2) + "\n")
+            template = {"chat_template": QWEN3_CHAT_TEMPLATE} if isinstance(self.tokenizer, Qwen3Tokenizer) else {}
+            config = hf_tokenizer_config(self.tokenizer, **template)
+            (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if not (folder / GENERATION_CONFIG).is_file() and self.tokenizer is not None and hasattr(self.tokenizer, "eos_id"):
             (folder / GENERATION_CONFIG).write_text(json.dumps(hf_generation_config(self.tokenizer), indent=2) + "\n")
 

@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from logitless.modules.attention import QKNormAttention
 from logitless.ops.dispatch import _interpreting
 from logitless.rl.rollout.fused import FusedProjections
 from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
@@ -102,15 +103,22 @@ def _register_decode_rotary():
 def _fused_rotary(attn: nn.Module, s: int, cache: Optional[Tuple[torch.Tensor, torch.Tensor]], split_k):
     """The :class:`~logitless.ops.triton.decode_rotary.RotaryTable` of ``attn``'s rotary module where
     the split-K step rotates and writes the caches in one launch (one token per row, a bucket's cache,
-    no q/k norms, a table covering every cache column), else None."""
+    no q/k norms after the rotation, a table covering every cache column), else None."""
     if _decode_rotary is None or split_k is None or cache is None or s != 1:
         return None
-    if attn.q_norm is not None or attn.k_norm is not None:
-        return None
+    if not _norms_before_rope(attn) and (attn.q_norm is not None or attn.k_norm is not None):
+        return None  # torchtune's order normalises the rotated q/k: the kernel cannot rotate them
     spec = _decode_rotary.rotary_table(attn.pos_embeddings, attn.head_dim)
     if spec is None or spec.table.shape[0] < cache[0].shape[2] or spec.table.device != cache[0].device:
         return None
     return spec
+
+
+def _norms_before_rope(attn: nn.Module) -> bool:
+    """Whether ``attn`` normalises q and k before the rotary embedding (Qwen3's
+    :class:`~logitless.modules.QKNormAttention`), so the decode step normalises the projections and
+    then rotates them like any attention's; torchtune's ``MultiHeadAttention`` normalises after."""
+    return type(attn) is QKNormAttention
 
 
 def _register_counter_draw() -> None:
@@ -164,7 +172,9 @@ def _groupable(layer: nn.Module) -> bool:
     ``layer`` is already past activation checkpointing (:func:`decoding_layer`)."""
     from torchtune.modules import MultiHeadAttention, TransformerSelfAttentionLayer
 
-    if type(layer.attn) is not MultiHeadAttention or layer.attn._forward_hooks or layer.attn._forward_pre_hooks:
+    if type(layer.attn) is not MultiHeadAttention and not _norms_before_rope(layer.attn):
+        return False
+    if layer.attn._forward_hooks or layer.attn._forward_pre_hooks:
         return False
     if _gathered_fsdp_unit(layer):
         return isinstance(layer, TransformerSelfAttentionLayer)
@@ -235,6 +245,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
         q, k, v = _project(x, *qkv, linear=linear).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    norms_first = _norms_before_rope(attn)
+    if norms_first:  # Qwen3: per-head norms of the projections, then the rotary embedding below
+        q, k = attn.q_norm(q.view(b, s, heads, dim)), attn.k_norm(k.view(b, s, kv_heads, dim))
     rotary = _fused_rotary(attn, s, cache, split_k)
     if rotary is not None and split_k[3] is None:  # rotary embedding and cache write inside the attention
         key_valid, n_filled, programmatic, _, rotations = split_k
@@ -257,9 +270,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         q = attn.pos_embeddings(q, input_pos=input_pos)
         k = attn.pos_embeddings(k, input_pos=input_pos)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if attn.q_norm is not None:
+    if attn.q_norm is not None and not norms_first:
         q = attn.q_norm(q)
-    if attn.k_norm is not None:
+    if attn.k_norm is not None and not norms_first:
         k = attn.k_norm(k)
     if cache is None:
         k, v = attn.kv_cache.update(k, v)
