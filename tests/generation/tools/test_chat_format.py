@@ -164,3 +164,34 @@ def test_a_turn_without_calls_has_none():
     turn = chat.parse(chat.encode("#### 42") + [tokenizer.special_tokens["<|im_end|>"]])
     assert (turn.content, turn.calls, turn.errors) == ("#### 42", [], [])
     assert turn.assistant_message() == {"role": "assistant", "content": "#### 42"}
+
+
+def test_qwen3_prompt_and_continuations_equal_apply_chat_template():
+    """Qwen3 (the bundled tiny Qwen3 folder, thinking off): the prompt and each continuation equal
+    transformers' tokens. Qwen3's template writes an earlier assistant turn without its empty think
+    block once a turn follows it, so the continuation is compared with the tokens after the
+    <|im_end|> that closes the model's turn in transformers' rendering of the whole conversation."""
+    from logitless.datasets import asset_path
+    from logitless.models import hf_tokenizer
+
+    tokenizer = hf_tokenizer(asset_path("qwen3_tiny"), enable_thinking=False)
+    fmt = chat_format_for(tokenizer)
+    assert fmt is CHAT_FORMATS["qwen3"]
+    hf = transformers.AutoTokenizer.from_pretrained(asset_path("qwen3_tiny"))
+    chat = ToolChat(fmt, tokenizer, tools=[tool_schema(add), tool_schema(lookup)])
+    messages = [SYSTEM, USER]
+    prompt, text = chat.prompt(messages)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt == _hf_ids(hf, messages, add_generation_prompt=True, enable_thinking=False)
+    eot = tokenizer.special_tokens["<|im_end|>"]
+    for message, sampled_text, answers in TURNS:
+        turn = chat.parse(chat.encode(sampled_text) + [eot])
+        assert turn.calls == [ToolCall(c["function"]["name"], c["function"]["arguments"])
+                              for c in message["tool_calls"]] and turn.content == message["content"]
+        messages = messages + [turn.assistant_message()]
+        segment, _ = chat.continuation(messages, answers)
+        turns = _hf_ids(hf, messages, enable_thinking=False).count(eot)
+        messages = messages + answers
+        whole = _hf_ids(hf, messages, add_generation_prompt=True, enable_thinking=False)
+        cut = [i for i, t in enumerate(whole) if t == eot][turns - 1] + 1
+        assert segment == whole[cut:]

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from logitless.generation.tools.calls import CALL_SYNTAXES, ParsedTurn, parse_tool_calls
 from logitless.generation.tools.templates import LLAMA3_CHAT_TEMPLATE, QWEN2_5_CHAT_TEMPLATE
+from logitless.models.qwen3_tokenizer import QWEN3_CHAT_TEMPLATE
 
 __all__ = ["CHAT_FORMATS", "ChatFormat", "ToolChat", "chat_format_for", "encode_with_special_tokens",
            "render_template"]
@@ -165,6 +166,7 @@ class ChatFormat:
 
 CHAT_FORMATS: Dict[str, ChatFormat] = {
     "qwen2_5": ChatFormat("qwen2_5", QWEN2_5_CHAT_TEMPLATE, "<|im_end|>", "hermes"),
+    "qwen3": ChatFormat("qwen3", QWEN3_CHAT_TEMPLATE, "<|im_end|>", "hermes"),
     "llama3": ChatFormat("llama3", LLAMA3_CHAT_TEMPLATE, "<|eot_id|>", "llama3_json",
                          {"bos_token": "<|begin_of_text|>"}),
 }
@@ -194,7 +196,7 @@ def chat_format_for(tokenizer: Any, name: str = "auto") -> ChatFormat:
         return CHAT_FORMATS[name]
     specials = getattr(tokenizer, "special_tokens", None) or {}
     kind = type(tokenizer).__name__.lower()
-    if "<think>" in specials and "qwen3" in CHAT_FORMATS:
+    if "<think>" in specials:
         return CHAT_FORMATS["qwen3"]
     if "<|im_end|>" in specials and "<tool_call>" in specials:
         return CHAT_FORMATS["qwen2_5"]
@@ -248,7 +250,8 @@ class ToolChat:
         chat_format (ChatFormat): the family's layout.
         tokenizer: the torchtune tokenizer (``special_tokens``, ``encode``, ``decode``).
         tools (Optional[Sequence[Mapping]]): the tool schemas rendered in every prompt.
-        variables (Optional[Mapping]): template variables (Qwen3: ``enable_thinking``).
+        variables (Optional[Mapping]): template variables; a tokenizer's ``enable_thinking`` (Qwen3)
+            is passed unless given here.
 
     Raises:
         ValueError: the tokenizer has no id for the format's end-of-turn token.
@@ -259,6 +262,8 @@ class ToolChat:
         self.format, self.tokenizer = chat_format, tokenizer
         self.tools = list(tools) if tools else None
         self.variables = dict(variables or {})
+        if getattr(tokenizer, "enable_thinking", None) is not None:
+            self.variables.setdefault("enable_thinking", bool(tokenizer.enable_thinking))
         specials = getattr(tokenizer, "special_tokens", None) or {}
         if chat_format.end_of_turn not in specials:
             raise ValueError(f"chat format {chat_format.name!r}: the tokenizer {type(tokenizer).__name__} has no "

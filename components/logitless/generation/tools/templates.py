@@ -8,6 +8,8 @@ same template (``tests/generation/tools/test_chat_format.py`` compares them toke
 - :data:`QWEN2_5_CHAT_TEMPLATE`: Qwen2.5-Instruct. Tools go in the system turn (after the given
   system message, or Qwen's default one), calls as ``<tool_call>`` JSON, tool responses grouped in
   one ``user`` turn of ``<tool_response>`` blocks.
+- Qwen3: :data:`logitless.models.qwen3_tokenizer.QWEN3_CHAT_TEMPLATE` (Qwen2.5's tool layout, think
+  blocks, ``enable_thinking``).
 - :data:`LLAMA3_CHAT_TEMPLATE`: Llama 3.1-Instruct (3.2 and 3.3 lay tools out the same way). Tools
   go in the first user turn; a call is the assistant turn's whole JSON
   ``{"name", "parameters"}`` ending with ``<|eot_id|>``; a tool's response is an ``ipython`` turn
