@@ -29,7 +29,7 @@ from logitless.rl.advantages import group_advantages
 from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
 from logitless.rl.evaluation import greedy_accuracy
-from logitless.rl.metrics import gather_columns, rollout_metrics, update_flops
+from logitless.rl.metrics import TURN_COLUMNS, gather_columns, rollout_metrics, turn_columns, turn_metrics, update_flops
 from logitless.rl.policy_sampler import PolicySampler
 from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, step_prompt_indices
 from logitless.rl.reference import build_reference
@@ -88,6 +88,9 @@ class GRPORecipe:
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
+        if self.sampler.turns is not None:  # prompts as the rollout renders them: with the tools
+            self.dataset = self.sampler.turns.render_prompts(self.dataset, "dataset")
+            self.eval_dataset = self.sampler.turns.render_prompts(self.eval_dataset, "eval_dataset")
         limits = dict(max_seq_len=self.sampler.max_seq_len, max_new_tokens=self.sampler.max_new_tokens,
                       log=self.runtime.is_rank_zero)  # every prompt must fit the sampler's length limit
         self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
@@ -166,11 +169,14 @@ class GRPORecipe:
         t_gen = time.perf_counter()
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
         batch_values = gather_columns({**rewards, "length": rollout.completion_lengths,
-                                       "truncated": rollout.truncated}, self.runtime.all_gather)
+                                       "truncated": rollout.truncated, **turn_columns(rollout)},
+                                      self.runtime.all_gather)
         lengths, truncated = batch_values.pop("length"), batch_values.pop("truncated")
+        turns = {k: batch_values.pop(k) for k in TURN_COLUMNS if k in batch_values}
         advantages = group_advantages(batch_values["total"], group_size, scale=cfg.advantage_scale)
         own_advantages = advantages[share.start * group_size:share.stop * group_size]
-        self.last_rollout = (prompts, texts, rewards, own_advantages)
+        self.last_rollout = (prompts, texts, rewards, own_advantages,
+                             None if rollout.trajectories is None else [t.turn_messages for t in rollout.trajectories])
         attention = step_packing_attention(rollout, self.model, enabled=self.prompt_sharing,
                                            attention=cfg.prompt_sharing_attention,
                                            must_pack=cfg.prompt_sharing is True, all_reduce=self.runtime.all_reduce)
@@ -192,7 +198,7 @@ class GRPORecipe:
                           prompt_once=attention is not None, num_iterations=cfg.num_iterations,
                           reference=self.reference is not None)], dtype=torch.float64)).tolist()
         utilisation = mfu(flops, t_end - t_gen, self.peak_flops, self.runtime.world_size)
-        return {**rollout_metrics(batch_values, lengths, truncated.bool()), **upd,
+        return {**rollout_metrics(batch_values, lengths, truncated.bool()), **turn_metrics(turns), **upd,
                 "prompt_sharing": float(attention is not None), "prompt_sharing_flex": float(attention == "flex"),
                 "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": t_end - t0,
                 "time/generation_s": t_gen - t0, "time/update_s": t_end - t_gen,

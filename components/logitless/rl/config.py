@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from logitless.generation.tools.config import TURN_KEYS, check_turn_config
 from logitless.rl.preflight import check_generation
 from logitless.rl.rewards import build_reward_specs
 from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
@@ -57,6 +58,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                         "(FlexAttention block mask, CUDA; compiles once per 1024-token bucket)"),
     "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
+    **TURN_KEYS,
     "clip_grad_norm": Key((float, None), default=None),
     "max_consecutive_skipped_steps": Key((int, None), default=3, min=1,
                                          doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
@@ -89,7 +91,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
 # Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
 GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
                         "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
-                        "checkpointer.checkpoint_files", "checkpointer.model_type")
+                        "checkpointer.checkpoint_files", "checkpointer.model_type", "tools", "environment")
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
 
 
@@ -158,6 +160,13 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                       cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
+    if check_turn_config(cfg) is not None:
+        if sampler_options.get("backend", "auto") == "compiled":
+            raise ConfigError("config key 'generation.backend': 'compiled' does not run tool or environment turns; "
+                              "use eager or auto (tool turns always sample with the eager turn sampler)")
+        if cfg.on_too_long == "truncate":
+            raise ConfigError("config key 'on_too_long': 'truncate' cannot cut a tool rollout's prompt (it is rendered "
+                              "from its messages at every step); use drop or error")
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
         raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
     build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry

@@ -22,8 +22,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from logitless.generation.tools.config import ToolTurns, build_tool_turns
+from logitless.generation.tools.eager import generate_turns
 from logitless.rl.preflight import check_stop_tokens
+from logitless.rl.prompts import PROMPT_KEYS
 from logitless.rl.rollout import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
+from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from logitless.training import model as model_utils
 from logitless.training.distributed import Runtime
 from logitless.training.preflight import model_limits
@@ -42,11 +46,17 @@ class PolicySampler:
         rollout_copy (bool): sample through an unsharded copy (:meth:`build_rollout_copy` builds it).
         max_seq_len (Optional[int]): the longest sequence the sampler can run (model and
             ``generation.max_cache_len``); None when unknown.
+        turns (Optional[ToolTurns]): tool / environment turns: every call samples multi-turn
+            trajectories with the eager turn sampler (:func:`~logitless.generation.tools.eager.generate_turns`).
+        prefill_chunk_tokens (Optional[int]): the turn sampler's prompt prefill chunk.
     """
 
     def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, gen_kwargs: Dict[str, Any], tokenizer: Any,
-                 runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None):
+                 runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None,
+                 turns: Optional[ToolTurns] = None,
+                 prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS):
         self.sample_fn, self.eval_sample_fn, self.gen_kwargs = sample_fn, eval_sample_fn, gen_kwargs
+        self.turns, self.prefill_chunk_tokens = turns, prefill_chunk_tokens
         self.tokenizer, self.runtime = tokenizer, runtime
         self.pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else 0
         self.rollout_copy, self.max_seq_len = rollout_copy, max_seq_len
@@ -67,7 +77,8 @@ class PolicySampler:
             PolicySampler: the sampler.
 
         Raises:
-            ConfigError: a stop token outside the model's vocabulary.
+            ConfigError: a stop token outside the model's vocabulary, or tool turns that do not fit the
+                tokenizer (:func:`~logitless.generation.tools.config.build_tool_turns`).
         """
         gen = OmegaConf.to_container(cfg.generation, resolve=True)
         limits = model_limits(cfg.model)
@@ -82,7 +93,9 @@ class PolicySampler:
         return cls(sample_fn, eval_sample_fn, gen, tokenizer, runtime,
                    rollout_copy=uses_rollout_copy(options, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload),
-                   max_seq_len=min(known) if known else None)
+                   max_seq_len=min(known) if known else None,
+                   turns=build_tool_turns(cfg, tokenizer, gen["stop_tokens"]),
+                   prefill_chunk_tokens=options.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
 
     @property
     def max_new_tokens(self) -> int:
@@ -124,17 +137,27 @@ class PolicySampler:
 
         Returns:
             Tuple: the rollout, and per completion (in rollout order) its prompt text, its decoded
-            text and the row's other columns (``{column: [value, ...]}``).
+            text and the row's other columns (``{column: [value, ...]}``). With tool turns the text is
+            the model's last turn, and the columns add each trajectory's ``conversation`` (its
+            messages) and ``environment_info``.
         """
-        sample = self.eval_sample_fn if evaluation else self.sample_fn
         model = self.rollout_model if self.rollout_model is not None else policy
+        fields = {k: [r[k] for r in rows for _ in range(num_generations)] for k in rows[0] if k not in PROMPT_KEYS}
+        if self.turns is not None:
+            session = self.turns.session(rows, num_generations)
+            rollout = generate_turns(model, session, pad_id=self.pad_id, generator=generator,
+                                     prefill_chunk_tokens=self.prefill_chunk_tokens,
+                                     **{**self.gen_kwargs, **overrides})
+            fields["conversation"] = [t.messages for t in rollout.trajectories]
+            fields["environment_info"] = [t.info for t in rollout.trajectories]
+            prompts = [text for text in session.prompt_texts for _ in range(num_generations)]
+            return rollout, prompts, [t.final_answer for t in rollout.trajectories], fields
+        sample = self.eval_sample_fn if evaluation else self.sample_fn
         rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
                          pad_id=self.pad_id, generator=generator, **{**self.gen_kwargs, **overrides})
         texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
                  for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-        fields = {k: [r[k] for r in rows for _ in range(num_generations)]
-                  for k in rows[0] if k not in ("prompt", "prompt_tokens")}
         return rollout, prompts, texts, fields
 
 

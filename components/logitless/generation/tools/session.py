@@ -46,6 +46,7 @@ class Trajectory:
     Attributes:
         messages (List[Message]): the conversation the model saw: the prompt's messages, each model
             turn (``{"role": "assistant", "content", "tool_calls"?}``) and the environment's answers.
+        num_prompt_messages (int): how many of ``messages`` are the prompt's.
         info (Dict[str, Any]): the environment's step infos merged (later keys win); ``error`` holds
             an environment failure.
         turns (int): model turns sampled.
@@ -58,6 +59,7 @@ class Trajectory:
     """
 
     messages: List[Message]
+    num_prompt_messages: int = 0
     info: Dict[str, Any] = field(default_factory=dict)
     turns: int = 0
     tool_calls: int = 0
@@ -65,6 +67,11 @@ class Trajectory:
     environment_errors: int = 0
     tool_seconds: float = 0.0
     out_of_budget: bool = False
+
+    @property
+    def turn_messages(self) -> List[Message]:
+        """The messages after the prompt: the model's turns and what the environment answered."""
+        return self.messages[self.num_prompt_messages:]
 
     @property
     def final_answer(self) -> str:
@@ -115,7 +122,7 @@ class TurnSession:
                     raise ValueError(f"environment.reset gave rows {p * num_generations} and {p * num_generations + g} "
                                      f"of prompt {p} different prompts; the {num_generations} rows of a GRPO group "
                                      f"share one prompt (make reset(row) depend on the row only)")
-                self.trajectories.append(Trajectory(messages))
+                self.trajectories.append(Trajectory(messages, num_prompt_messages=len(messages)))
         self._pending: Dict[int, tuple] = {}
 
     def __len__(self) -> int:
