@@ -22,14 +22,16 @@ from typing import List
 import logitless  # noqa: F401, I001
 import torch
 from omegaconf import DictConfig
-from torchtune import config
+from torchtune import config, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
+from logitless.first_start import use_persistent_compile_cache
 from logitless.training.builders import (build_checkpoint_manager, build_model_with_weights, build_optimizer,
                                          setup_process, wrap_model)
 from logitless.training.cli import report_errors
 from logitless.training.dataloader import batch_to_device
 from logitless.training.distributed import free_finished_run
+from logitless.training.interrupt import exit_on_interrupt
 from logitless.training.metric_logging import build_metric_logger
 from logitless.training.preflight import check_device
 from logitless.training.progress import ProgressBar, StepTimer, is_due, peak_memory_gib
@@ -78,7 +80,9 @@ class SFTRecipe:
         self.model = build_model_with_weights(cfg, self.ckpt, device=self.device, dtype=self.dtype, seed=self.seed,
                                               lora=self.lora, resume_dir=self.start.checkpoint)
         self.loss_fn = config.instantiate(cfg.loss)
-        self.objective = SFTObjective(self.model, self.loss_fn)  # calls loss_fn.set_model_output(model)
+        # calls loss_fn.set_model_output(model); activation offloading around the model's forward, as torchtune's
+        self.objective = SFTObjective(self.model, self.loss_fn, activations=training.get_act_offloading_ctx_manager(
+            self.model, cfg.enable_activation_offloading))
         wrap_model(self.model, cfg, self.runtime)  # activation checkpointing, compile, FSDP2
         self.dataloader, self.steps_per_epoch, self.total_steps = build_sft_dataloader(
             cfg, self.dataset, self.tokenizer, self.runtime,
@@ -161,9 +165,14 @@ class SFTRecipe:
 
 @report_errors
 def run_sft(cfg: DictConfig, *, lora: bool, distributed: bool) -> None:
-    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2.
-    The finished recipe is freed before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
-    SFTRecipe(cfg, lora=lora, distributed=distributed).run()
+    """Runs :class:`SFTRecipe`; a ConfigError ends the run with one line on stderr and exit status 2,
+    Ctrl-C with one line naming the last checkpoint and exit status 130. The finished recipe is freed
+    before returning (:func:`~logitless.training.distributed.free_finished_run`)."""
+    use_persistent_compile_cache()  # compiled code is kept across runs (logitless.first_start)
+    recipe = SFTRecipe(cfg, lora=lora, distributed=distributed)
+    with exit_on_interrupt(recipe.cfg.output_dir, steps_done=lambda: getattr(recipe, "step", None)):
+        recipe.run()
+    del recipe  # nothing may hold the finished run when free_finished_run collects its reference cycles
     free_finished_run()
 
 

@@ -115,3 +115,25 @@ def test_importing_a_recipe_prints_no_torchao_message():
                          env={"PATH": "", "PYTHONPATH": f"{REPO / 'components'}"})
     assert res.returncode == 0, res.stderr
     assert "Skipping import of cpp extensions" not in res.stdout + res.stderr
+
+
+def imported_modules(args, cwd):
+    """Names of every module ``python -m logitless ARGS`` imports (``python -X importtime`` lists each
+    on stderr as ``import time: self | cumulative | name``), and the finished process."""
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "logitless", *args], cwd=cwd,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "components"),
+                                                                          str(REPO / "recipes")])))
+    names = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    return names, res
+
+
+@pytest.mark.parametrize("args", [["--help"], ["ls"], ["cp", "tiny_grpo", "copy.yaml"]], ids=["help", "ls", "cp"])
+def test_the_command_answers_without_importing_torch(tmp_path, args):
+    """Listing and copying need no torch: importing it takes seconds (tens under load)."""
+    names, res = imported_modules(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "logitless.cli" in names  # the list holds the command's own imports
+    assert sorted(n for n in names if n.split(".")[0] in ("torch", "torchtune", "triton")) == []
+    if args[0] == "ls":
+        assert "tiny_grpo_chat" in res.stdout

@@ -2,9 +2,12 @@
 
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -46,6 +49,35 @@ def tune_cli():
                 stdout.close()  # the child has its own copy
 
     return launch
+
+
+#: The line a recipe prints when Ctrl-C stops it (logitless.training.interrupt).
+INTERRUPTED_LINE = re.compile(r"Interrupted after step (\d+); last checkpoint: (\S+) "
+                              r"\(resume with resume_from_checkpoint=auto\)")
+
+
+@pytest.fixture
+def ctrl_c(tune_cli):
+    """``ctrl_c(args, out, after_step)``: starts ``tune run ARGS`` like :func:`tune_cli`, sends it SIGINT
+    (what Ctrl-C sends) once ``out`` holds the complete checkpoint of step ``after_step``, and returns
+    ``(exit status, output, reports)``: ``reports`` holds ``(steps done, checkpoint path)`` of every
+    output line ``Interrupted after step N; last checkpoint: PATH (resume with ...)``."""
+    from logitless.training import complete_checkpoints
+    from logitless.training.checkpoint import checkpoint_step
+
+    def interrupt(args, out, after_step):
+        p = tune_cli(args, out)
+        deadline = time.time() + 300
+        while p.poll() is None and time.time() < deadline:
+            if any(checkpoint_step(d) >= after_step for d in complete_checkpoints(out)):
+                break
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        log = p.communicate(timeout=300)[0]
+        reports = [(int(m.group(1)), pathlib.Path(m.group(2))) for m in INTERRUPTED_LINE.finditer(log)]
+        return p.returncode, log, reports
+
+    return interrupt
 
 
 @pytest.fixture

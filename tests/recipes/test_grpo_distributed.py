@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # (a sharded frozen reference), two iterations (old log-probs), batch-scaled advantages (global std).
 OVERRIDES = ["prompts_per_step=8", "num_generations=4", "micro_batch_size=8", "generation.max_new_tokens=3",
              "max_steps=4", "save_every_n_steps=2", "keep_last_n_checkpoints=null", "eval_every_n_steps=2",
-             "eval_num_prompts=5", "loss.beta=0.05", "num_iterations=2", "advantage_scale=batch",
+             "eval_num_prompts=5", "loss.beta=0.05", "num_iterations=2", "scale_rewards=batch",
              "cpu_threads=1", "device=cpu"]
 COMPARED = ("reward/mean", "reward/std", "reward/math_correctness/mean", "loss", "kl", "grad_norm", "entropy",
             "clip_ratio/region", "completion_length/mean", "truncated_fraction", "num_loss_tokens", "eval/accuracy")

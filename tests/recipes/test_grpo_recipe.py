@@ -65,20 +65,49 @@ def test_cli_end_to_end(tmp_path):
     assert (tmp_path / "step_000002" / "recipe_state.pt").is_file()
 
 
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint(tmp_path, ctrl_c):
+    small = [o for o in SMALL if not o.startswith("eval_every")]
+    args = ["run", "grpo_single_device", "--config", str(ROOT / "configs/tiny_grpo.yaml"), "max_steps=200",
+            "save_every_n_steps=1", "keep_last_n_checkpoints=2", "eval_every_n_steps=null", *small]
+    status, log, reports = ctrl_c(args, tmp_path / "run", after_step=1)
+    assert status == 130, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    from logitless.training import complete_checkpoints
+
+    newest = complete_checkpoints(tmp_path / "run")[-1]
+    (report,) = reports  # one line, naming the newest complete checkpoint
+    assert log.count("Interrupted") == 1 and report[1] == newest, log[-3000:]
+    assert 1 <= int(newest.name[5:]) <= report[0] < 200
+
+
 LORA = ["model._component_=logitless.models.lora_qwen2_5_tiny", "model.lora_attn_modules=[q_proj,v_proj]",
         "model.lora_rank=4", "model.lora_alpha=8", "optimizer.lr=1e-2", "loss.beta=0.05"]
 
 
-@pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
+# Dynamic sampling draws further prompts from the prompt stream (its position is saved), and the KL
+# reference moves towards the policy every step (it is saved once it has moved): with this seed every
+# step samples a second round, and some step runs out of rounds and trains on fewer than 4 groups.
+DYNAMIC_SYNC = ["dynamic_sampling=true", "dynamic_sampling_max_rounds=2", "loss.beta=0.05",
+                "ref_model_sync_steps=1", "ref_model_mixup_alpha=0.5"]
+
+
+@pytest.mark.parametrize("extra", [[], LORA, DYNAMIC_SYNC], ids=["full", "lora", "dynamic_sampling_ref_sync"])
 def test_exact_resume(tmp_path, extra):
     straight = GRPORecipe(tiny_cfg(tmp_path / "a", "max_steps=4", "save_every_n_steps=2", *extra)).run()
     GRPORecipe(tiny_cfg(tmp_path / "b", "max_steps=2", *extra)).run()
     resumed = GRPORecipe(tiny_cfg(tmp_path / "b", "max_steps=4", "resume_from_checkpoint=True", *extra)).run()
     assert [h["step"] for h in resumed] == [3, 4]
+    keys = ["reward/mean", "loss", "grad_norm", "entropy", "completion_length/mean"]
+    if extra is DYNAMIC_SYNC:
+        keys += ["kl", "dynamic_sampling/rounds", "dynamic_sampling/filled_fraction", "dynamic_sampling/dropped_groups"]
+        assert all(h["dynamic_sampling/rounds"] == 2 for h in straight)  # refills drew further prompts
+        assert min(h["dynamic_sampling/filled_fraction"] for h in straight) < 1
+        assert all(h["kl"] > 0 for h in straight[1:])
     for want, got in zip(straight[2:], resumed):
-        for key in ("reward/mean", "loss", "grad_norm", "entropy", "completion_length/mean"):
+        for key in keys:
             assert want[key] == got[key], (key, want[key], got[key])
-    if extra:  # LoRA: compare the saved adapters
+    if extra is LORA:  # compare the saved adapters
         a = torch.load(tmp_path / "a" / "step_000004" / "adapter_model.pt")
         b = torch.load(tmp_path / "b" / "step_000004" / "adapter_model.pt")
     else:
@@ -144,10 +173,46 @@ def test_dora_starts_at_the_base_trains_and_saves_its_magnitudes(tmp_path):
     ("loss.temperature=0.5", "loss.temperature"),
     ("rewards=[{function: logitless.rl.rewards.nope}]", "cannot be imported"),
     ("generation.temprature=1.0", "generation.temprature"),
+    ("dynamic_sampling=maybe", "config key 'dynamic_sampling': expected bool"),
+    ("dynamic_sampling_max_rounds=0", "config key 'dynamic_sampling_max_rounds': expected a value >= 1, got 0"),
+    ("advantage_estimator=ppo", "config key 'advantage_estimator': expected one of .*got 'ppo'"),
+    ("scale_rewards=token", "config key 'scale_rewards': expected one of .*got 'token'"),
+    ("ref_model_sync_steps=0", "config key 'ref_model_sync_steps': expected a value >= 1, got 0"),
+    ("ref_model_sync_steps=2", "config key 'ref_model_sync_steps': 2 syncs the KL reference, but loss.beta=0.0"),
+    ("ref_model_mixup_alpha=1.5", "config key 'ref_model_mixup_alpha': expected a value in \\(0, 1\\]"),
 ])
 def test_config_errors(tmp_path, override, match):
     with pytest.raises((ConfigError, ValueError), match=match):
         GRPORecipe(tiny_cfg(tmp_path, override))
+
+
+def test_reference_sync_is_refused_under_lora(tmp_path):
+    with pytest.raises(ConfigError, match="'ref_model_sync_steps': 2 is not supported with a LoRA policy"):
+        GRPORecipe(tiny_cfg(tmp_path, "ref_model_sync_steps=2", *LORA))
+
+
+def test_dynamic_sampling_trains_on_groups_with_spread_and_rewards_see_token_lengths(tmp_path):
+    """Every group a step trains on has a reward spread; the prompt stream advances by the rounds
+    sampled; the soft overlong punishment sees each completion's token count (training and eval)."""
+    cfg = tiny_cfg(tmp_path, "max_steps=2", "dynamic_sampling=true", "dynamic_sampling_max_rounds=3",
+                   "save_final_checkpoint=False", "log_completions_every_n_steps=1", "log_completions_num_rows=null")
+    cfg.rewards.append({"function": {"_component_": "logitless.rl.length_rewards.SoftOverlongPunishment",
+                                     "max_completion_length": "${generation.max_new_tokens}", "overlong_buffer": 2},
+                        "weight": 0.1, "name": "overlong"})
+    recipe = GRPORecipe(cfg)
+    hist = recipe.run()
+    assert recipe.prompts_drawn == sum(h["dynamic_sampling/sampled_groups"] for h in hist)
+    assert max(h["dynamic_sampling/rounds"] for h in hist) > 1 and "eval/accuracy" in hist[-1]
+    rows = read_completions(str(tmp_path / "logs" / "completions.jsonl"))
+    for step, h in enumerate(hist, 1):
+        got = [r for r in rows if r["step"] == step]
+        assert len(got) == 4 * 4 * h["dynamic_sampling/filled_fraction"]
+        for g in range(0, len(got), 4):
+            assert len({r["reward"] for r in got[g:g + 4]}) > 1  # a reward spread in every trained group
+        assert h["dynamic_sampling/batch_reward_mean"] == pytest.approx(sum(r["reward"] for r in got) / len(got))
+        # max_new_tokens 3, buffer 2: 1 token -> 0, 2 -> -0.5, 3 -> -1
+        assert {r["overlong"] for r in got} <= {0.0, -0.5, -1.0} and any(r["overlong"] < 0 for r in got)
+        assert all(r["reward"] == pytest.approx(r["math_correctness"] + 0.1 * r["overlong"]) for r in got)
 
 
 def test_prompt_sharing_matches_expanded_recipe_step(tmp_path):
@@ -285,7 +350,8 @@ def test_chat_dataset_columns_reach_rewards_and_completion_table(tmp_path, monke
     hist = GRPORecipe(cfg).run()
     import column_rewards
 
-    assert column_rewards.SEEN == [["answer"], ["answer"]]  # every other column, once per step
+    # every other column and the sampled token ids, once per step
+    assert column_rewards.SEEN == [["answer", "completion_ids"], ["answer", "completion_ids"]]
     rows = read_completions(str(tmp_path / "run" / "logs" / "completions.jsonl"))
     assert [r["step"] for r in rows] == [1] * 16 + [2] * 16
     for r in rows:

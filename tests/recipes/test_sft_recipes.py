@@ -187,6 +187,29 @@ def test_tune_run_resume_after_kill_matches_uninterrupted(repo_cwd, tmp_path, tu
 
 
 @pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_naming_the_last_checkpoint_and_resume_is_exact(repo_cwd, tmp_path, ctrl_c,
+                                                                                     tune_cli):
+    over = ["max_steps=24", "batch_size=4", "gradient_accumulation_steps=1", "save_every_n_steps=2",
+            "lr_scheduler.num_warmup_steps=1"]
+    args = ["run", "full_sft_single_device", "--config", "configs/tiny_full.yaml", *over]
+    out = tmp_path / "run"
+    status, log, reports = ctrl_c(args, out, after_step=2)
+    assert status == 130, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    newest = complete_checkpoints(out)[-1]
+    at = int(newest.name[5:])
+    (report,) = reports  # one line, naming the newest complete checkpoint
+    assert log.count("Interrupted") == 1 and report[1] == newest and 2 <= at <= report[0] < 24, log[-3000:]
+    r = tune_cli(args + ["resume_from_checkpoint=auto"], out)
+    resumed_log = r.communicate(timeout=300)[0]
+    assert r.returncode == 0, resumed_log[-3000:]
+    ref = SFTRecipe(tiny_config("tiny_full", tmp_path / "ref", max_steps=24, batch_size=4, gradient_accumulation_steps=1,
+                                save_every_n_steps=None, lr_scheduler__num_warmup_steps=1)).run()
+    resumed = logged_losses(str(out))
+    assert [resumed[s] for s in range(at + 1, 25)] == ref[at:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_distributed_on_two_cpu_processes_matches_single_device_and_resumes(repo_cwd, tmp_path, tune_cli, lora):
     """full_sft_distributed / lora_sft_distributed against full_sft_single_device / lora_sft_single_device."""

@@ -31,3 +31,26 @@ def test_gather_columns_keeps_rank_order_and_names():
     out = gather_columns(mine, lambda t: torch.cat([t] + [torch.stack([r[k].float() for k in mine], 1)
                                                          for r in ranks[1:]]))
     assert out["total"].tolist() == [1.0, 0.0, 0.5, 2.0] and out["length"].tolist() == [3.0, 5.0, 7.0, 1.0]
+
+
+def test_the_prompt_stream_continues_across_epochs_and_steps():
+    from logitless.rl.prompt_sets import prompt_stream_indices
+
+    orders = steps_of(7, 5, epoch=0) + steps_of(7, 5, epoch=1) + steps_of(7, 5, epoch=2)
+    assert prompt_stream_indices(3, 12, num_rows=7, seed=5) == orders[3:15]
+    # without dynamic sampling, step s is the stream's positions s * P .. s * P + P - 1
+    assert [step_prompt_indices(s, num_rows=7, prompts_per_step=3, seed=5) for s in range(4)] == \
+        [orders[3 * s:3 * s + 3] for s in range(4)]
+
+
+def test_a_dataset_column_named_completion_ids_is_refused():
+    import pytest
+    from omegaconf import OmegaConf
+
+    from logitless.rl.prompt_sets import fit_prompts
+    from logitless.training.config import ConfigError
+
+    rows = [{"prompt_tokens": [1, 2], "prompt": "1+1=", "completion_ids": [3]}]
+    with pytest.raises(ConfigError, match="config key 'dataset': its rows have a column 'completion_ids'"):
+        fit_prompts(rows, "dataset", OmegaConf.create({"on_too_long": "drop"}), max_seq_len=16, max_new_tokens=4,
+                    log=False)

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from logitless.first_start import note_compile
 from logitless.settings import settings
 
 Tensor = torch.Tensor
@@ -224,6 +225,7 @@ def epilogues_for(z_like: Tensor) -> SimpleNamespace:
         # vocabulary stays static. On an H200 that took up to 11% off a CE or log-probs step (0.5B
         # head; -1% to +1% at 8B), while the statistics alone ran 5-13% faster fully dynamic
         # (head_chunked_static_vocab_h200.csv against head_chunked_half_logits_fused_entropy_h200.csv).
+        note_compile("the chunked head's softmax epilogues (impl='chunked' on CUDA)")
         _COMPILED = SimpleNamespace(
             ce=torch.compile(ce_fusible), stats=torch.compile(stats_fusible, dynamic=True),
             grad=torch.compile(grad_fusible), in_place=False)

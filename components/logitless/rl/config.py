@@ -14,7 +14,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from logitless.generation.tools.config import TURN_KEYS, check_turn_config
+from logitless.rl.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, advantage_settings
 from logitless.rl.preflight import check_generation
+from logitless.rl.reference import check_reference_sync
 from logitless.rl.rewards import build_reward_specs
 from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
@@ -56,7 +58,25 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                         "attends to its prompt and itself, only the scores the mask keeps, any "
                                         "device), sdpa (dense mask, any device, packs up to 12288 tokens) or flex "
                                         "(FlexAttention block mask, CUDA; compiles once per 1024-token bucket)"),
-    "advantage_scale": Key(str, default="group", choices=("group", "batch", "none")),
+    "advantage_estimator": Key(str, default="group_mean", choices=ADVANTAGE_ESTIMATORS,
+                               doc="baseline of the advantages: group_mean (GRPO), rloo (leave-one-out), "
+                                   "reinforce_pp (REINFORCE++: batch whitening), reinforce_pp_baseline (group mean, "
+                                   "then whitening)"),
+    "scale_rewards": Key((bool, str, None), default=None, choices=(True, False, None, *SCALE_REWARDS),
+                         doc="divide the centred rewards by the group's std, the batch's, or none (TRL's names; "
+                             "true = group, false = none; null: the estimator's default)"),
+    "advantage_scale": Key((str, None), default=None, choices=(None, *SCALE_REWARDS),
+                           doc="the former name of scale_rewards"),
+    "dynamic_sampling": Key(bool, default=False,
+                            doc="drop groups whose rewards are all equal and sample further prompts until the step "
+                                "has prompts_per_step groups (DAPO)"),
+    "dynamic_sampling_max_rounds": Key(int, default=4, min=1,
+                                       doc="most sampling rounds of prompts_per_step prompts per step, the first "
+                                           "included; when they run out the step trains on the groups it kept"),
+    "ref_model_sync_steps": Key((int, None), default=None, min=1,
+                                doc="every this many steps: reference <- alpha * policy + (1 - alpha) * reference "
+                                    "(TR-DPO; null: a fixed reference)"),
+    "ref_model_mixup_alpha": Key(float, default=0.6, doc="alpha of ref_model_sync_steps, in (0, 1]"),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
     **TURN_KEYS,
     "clip_grad_norm": Key((float, None), default=None),
@@ -170,6 +190,8 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
         raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
     build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry
+    advantage_settings(cfg)
+    check_reference_sync(cfg)
     return cfg
 
 

@@ -26,6 +26,7 @@ from logitless.generation.tools.config import ToolTurns, build_tool_turns
 from logitless.generation.tools.eager import generate_turns
 from logitless.rl.preflight import check_stop_tokens
 from logitless.rl.prompts import PROMPT_KEYS
+from logitless.rl.rewards import COMPLETION_IDS
 from logitless.rl.rollout import SAMPLER_KEYS, Rollout, build_sampler, uses_rollout_copy
 from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from logitless.training import model as model_utils
@@ -137,9 +138,11 @@ class PolicySampler:
 
         Returns:
             Tuple: the rollout, and per completion (in rollout order) its prompt text, its decoded
-            text and the row's other columns (``{column: [value, ...]}``). With tool turns the text is
-            the model's last turn, and the columns add each trajectory's ``conversation`` (its
-            messages) and ``environment_info``.
+            text and the row's other columns (``{column: [value, ...]}``) with ``completion_ids``
+            (its token ids, stop token included): the reward functions' keyword arguments. With tool
+            turns the text is the model's last turn, ``completion_ids`` the tokens it sampled (every
+            turn), and the columns add each trajectory's ``conversation`` (its messages) and
+            ``environment_info``.
         """
         model = self.rollout_model if self.rollout_model is not None else policy
         fields = {k: [r[k] for r in rows for _ in range(num_generations)] for k in rows[0] if k not in PROMPT_KEYS}
@@ -150,15 +153,18 @@ class PolicySampler:
                                      **{**self.gen_kwargs, **overrides})
             fields["conversation"] = [t.messages for t in rollout.trajectories]
             fields["environment_info"] = [t.info for t in rollout.trajectories]
+            fields[COMPLETION_IDS] = [t[m].tolist() for t, m in zip(rollout.completion_tokens.cpu(),
+                                                                    rollout.loss_mask.cpu())]
             prompts = [text for text in session.prompt_texts for _ in range(num_generations)]
             return rollout, prompts, [t.final_answer for t in rollout.trajectories], fields
         sample = self.eval_sample_fn if evaluation else self.sample_fn
         rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
                          pad_id=self.pad_id, generator=generator, **{**self.gen_kwargs, **overrides})
-        texts = [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)
-                 for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        completion_ids = [t[m].tolist() for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-        return rollout, prompts, texts, fields
+        # the sampled token ids reach every reward function too (TRL's keyword): token-length rewards
+        return rollout, prompts, texts, {**fields, COMPLETION_IDS: completion_ids}
 
 
 __all__ = ["PolicySampler"]

@@ -9,6 +9,10 @@ arguments. A function names the columns it reads and absorbs the rest with ``**k
     def sum_correct(prompts, completions, a, b, **kwargs):   # columns "a" and "b"
         return [float(c.strip() == str(x + y)) for c, x, y in zip(completions, a, b)]
 
+Every function also receives ``completion_ids``: each completion's sampled token ids (its stop
+token included), a list of N lists of ints, for rewards that count tokens
+(:mod:`logitless.rl.length_rewards`); no dataset column may take that name.
+
 A reward with set-up (a model) is a callable object built from a component mapping
 (:mod:`logitless.rl.reward_models`).
 
@@ -33,6 +37,7 @@ import torch
 from logitless.rl.math_answers import answers_match, extract_answer, reference_answer
 
 __all__ = [
+    "COMPLETION_IDS",
     "RewardError",
     "RewardSpec",
     "build_reward_specs",
@@ -50,6 +55,10 @@ _HASH_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
 _BOXED_RE = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*\$?\s*(" + _NUMBER + r")", re.IGNORECASE)
 _FORMAT_RE = re.compile(r"####\s*\$?\s*(?:" + _NUMBER + r")\s*\.?\s*$")
+
+
+#: The keyword under which every reward function receives the completions' token ids.
+COMPLETION_IDS = "completion_ids"
 
 
 class RewardError(RuntimeError):

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 from torch import nn
 
+from logitless.first_start import note_compile
 from logitless.modules import HeadInput, unwrap_compiled
 from logitless.modules.cascade_attention import cascade_layout, enable_cascade_attention
 from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups, segment_mask
@@ -207,6 +208,7 @@ def _compiled_create_block_mask():
     if not _COMPILED_CREATE_BLOCK_MASK:
         from torch.nn.attention.flex_attention import create_block_mask
 
+        note_compile("flex attention's block mask for prompt sharing (again at each new length bucket)")
         _COMPILED_CREATE_BLOCK_MASK.append(torch.compile(create_block_mask))
     return _COMPILED_CREATE_BLOCK_MASK[0]
 

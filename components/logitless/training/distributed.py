@@ -308,6 +308,14 @@ class Runtime:
         dist.all_gather(parts, local)
         return torch.cat(parts).to(tensor.device)
 
+    def all_gather_object(self, items: List[Any]) -> List[Any]:
+        """Every rank's list of picklable ``items`` concatenated in rank order (``items`` itself on one device)."""
+        if not self.distributed:
+            return items
+        parts: List[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a picklable object; returned as is on one device)."""
         if not self.distributed:

@@ -18,6 +18,8 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
+from logitless.first_start import note_compile
+
 
 class CheckpointMismatchError(ValueError):
     """The weights on disk do not fit the model built from the config."""
@@ -155,6 +157,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` per transformer layer (torchtune's ``compile_model``)."""
+    note_compile("each transformer layer (compile: True), at the first forward")
     tt_training.compile_model(model, verbose=False)
 
 

@@ -112,3 +112,10 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def close_progress_bars() -> None:
+    """Closes every open tqdm bar (each ends its line), so that what is printed next starts on a line
+    of its own: a run that stops early (Ctrl-C) never reaches :meth:`ProgressBar.close`."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import contextlib
+from typing import Any, ContextManager, Dict
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ class SFTObjective(StepObjective):
         model (nn.Module): the decoder (wrapped by the loss if needed).
         loss_fn (StepLoss): a logitless loss component (``logitless.losses``).
         ignore_index (int): label value that is ignored (defaults to ``loss_fn.ignore_index`` or -100).
+        activations (ContextManager): entered around the model's forward only, not the loss: torchtune's
+            activation offloading (``training.get_act_offloading_ctx_manager``), as its recipes use it.
 
     Raises:
         TypeError: ``loss_fn`` is not a :class:`~logitless.losses.StepLoss`.
@@ -35,14 +38,15 @@ class SFTObjective(StepObjective):
         >>> step([mb1, mb2], obj)
     """
 
-    def __init__(self, model: nn.Module, loss_fn: StepLoss, ignore_index: int | None = None):
+    def __init__(self, model: nn.Module, loss_fn: StepLoss, ignore_index: int | None = None,
+                 activations: ContextManager = contextlib.nullcontext()):
         if not isinstance(loss_fn, StepLoss):
             raise TypeError(
                 f"loss: {type(loss_fn).__module__}.{type(loss_fn).__qualname__} does not follow the logitless "
                 "loss protocol: expected a logitless.losses.StepLoss (set_model_output, loss_units, "
                 "normalised_loss), such as logitless.losses.LinearCrossEntropyLoss"
             )
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.activations = model, loss_fn, activations
         self.ignore_index = ignore_index if ignore_index is not None else getattr(loss_fn, "ignore_index", -100)
         reduction = getattr(loss_fn, "reduction", "mean")
         if reduction not in ("mean", "sum"):
@@ -62,4 +66,6 @@ class SFTObjective(StepObjective):
         """Forward and the micro-batch's share of the mean over the ``total.tokens`` labels of the step."""
         labels = self.labels(batch)
         kwargs = {k: batch[k] for k in ("mask", "input_pos") if batch.get(k) is not None}
-        return self.loss_fn.normalised_loss(self.model(batch["tokens"], **kwargs), labels, total)
+        with self.activations:
+            outputs = self.model(batch["tokens"], **kwargs)
+        return self.loss_fn.normalised_loss(outputs, labels, total)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
 from omegaconf import DictConfig
 
 from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
@@ -46,6 +47,9 @@ SFT_SCHEMA: Dict[str, Key] = {
     "device": Key(str, default="auto", doc="'auto' (cuda if available), 'cpu', 'cuda'"),
     "cpu_threads": CPU_THREADS_KEY,
     "enable_activation_checkpointing": Key(bool, default=False),
+    "enable_activation_offloading": Key(bool, default=False,
+                                        doc="torchtune's activation offloading: the checkpointed layer inputs wait in "
+                                            "CPU memory (CUDA, with enable_activation_checkpointing)"),
     "compile": Key(bool, default=False),
     "log_every_n_steps": Key(int, default=1, min=1),
     "save_every_n_steps": Key((int, None), default=None, min=1),
@@ -108,6 +112,13 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
     check_cpu_threads(cfg.cpu_threads)
+    if cfg.enable_activation_offloading:
+        if not cfg.enable_activation_checkpointing:
+            raise ConfigError("config key 'enable_activation_offloading': True needs enable_activation_checkpointing: "
+                              "True (it offloads the inputs the checkpointed layers keep)")
+        if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+            raise ConfigError(f"config key 'enable_activation_offloading': True needs a CUDA device, got device "
+                              f"{cfg.device!r}{' on a machine without CUDA' if cfg.device == 'auto' else ''}")
     return cfg
 
 

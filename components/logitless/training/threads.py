@@ -16,25 +16,16 @@ An integer sets that many threads; null leaves torch's default.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Optional
 
 import torch
 
+from logitless.first_start import recipe_logger
 from logitless.training.config import ConfigError, Key
 
 CPU_THREADS_KEY = Key((int, str, None), default="auto",
                       doc="torch CPU threads per process: 'auto', an integer >= 1, or null for torch's default")
-
-
-def _recipe_logger() -> logging.Logger:
-    # like torchtune's utils.get_logger("INFO"): recipe processes print their INFO lines
-    logger = logging.getLogger("logitless")
-    if not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
-        logger.setLevel(logging.INFO)
-    return logger
 
 
 def check_cpu_threads(value: Any) -> None:
@@ -113,7 +104,7 @@ def apply_cpu_threads(value: Any, device: str) -> int:
         torch.set_num_threads(n)
     n = torch.get_num_threads()
     if (_env_int("RANK") or 0) == 0:
-        _recipe_logger().info("cpu_threads=%s: torch uses %d CPU threads per process", value, n)
+        recipe_logger().info("cpu_threads=%s: torch uses %d CPU threads per process", value, n)
     return n
 
 

@@ -235,16 +235,23 @@ def test_training_forward_is_causal_after_generation_even_on_error(monkeypatch):
     torch.testing.assert_close(model(tokens), fresh(tokens), atol=0, rtol=0)
 
 
-def test_compiled_step_matches_uncompiled_and_is_reused():
+def test_compiled_step_matches_uncompiled_and_is_reused(monkeypatch, caplog):
     from torch._dynamo.utils import counters
+
+    from logitless import first_start
 
     torch._dynamo.reset()
     counters.clear()
+    monkeypatch.setattr(first_start, "_NOTED", set())  # as in a fresh process
     model = tiny().eval()
     kw = dict(max_new_tokens=6, stop_tokens=NEVER, pad_id=0, num_generations=2, temperature=0)
     # aot_eager functionalises the in-place cache updates as inductor does, without a C++ build
     sampler = CompiledSampler(compile=True, backend="aot_eager", cache_len_multiple=16)
-    first = sampler(model, PROMPTS, **kw)
+    with caplog.at_level("INFO", logger="logitless"):
+        first = sampler(model, PROMPTS, **kw)
+    # the compilation was announced before it ran, once
+    noted = [r for r in caplog.records if r.name == "logitless"]
+    assert [r.getMessage().split(": once per process")[0] for r in noted] == ["Compiling the sampler's decode step"]
     assert counters["stats"]["unique_graphs"] == 1  # fullgraph: the whole step is one graph
     assert torch.equal(first.completion_tokens, uncompiled()(model, PROMPTS, **kw).completion_tokens)
     caches = sampler._state["caches"]
@@ -252,6 +259,7 @@ def test_compiled_step_matches_uncompiled_and_is_reused():
     second = sampler(model, other, **kw)
     assert sampler._state["caches"] is caches
     assert counters["stats"]["unique_graphs"] == 1  # no recompilation
+    assert len([r for r in caplog.records if r.name == "logitless"]) == 1  # and no second announcement
     assert completions(second) == [naive_greedy(model, p, 6, NEVER) for p in other for _ in range(2)]
     assert not model.caches_are_setup()
     sampler.release()

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from logitless.first_start import note_compile
 from logitless.settings import settings
 from logitless.ops.row_objective import RowObjective
 from logitless.ops.triton import head
@@ -92,6 +93,7 @@ def _upstreams_of(token_objective: TokenObjective, logp: torch.Tensor, ent: Opti
 def _compiled():
     """``torch.compile(_upstreams_of)``, made on first use (importing dynamo costs start-up time)."""
     # dynamic from the start: one graph for full and shorter chunks, the same kernels for both
+    note_compile("the token objective's gradient in the Triton head (then a CUDA graph per chunk length)")
     return torch.compile(_upstreams_of, dynamic=True)
 
 

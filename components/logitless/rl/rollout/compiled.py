@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from logitless.first_start import note_compile
 from logitless.modules.attention import QKNormAttention
 from logitless.ops.dispatch import _interpreting
 from logitless.rl.rollout.fused import FusedProjections
@@ -694,6 +695,8 @@ class CompiledSampler:
             # (tests/rl/rollout/test_compiled.py checks the step is one graph)
             # the batch dimension of the bucket buffers is marked dynamic (one compilation for every
             # bucket; a CUDA graph is captured per bucket size), everything else is static
+            graphs = mode == "reduce-overhead" or bool((options or {}).get("triton.cudagraphs"))
+            note_compile("the sampler's decode step" + (" and its CUDA graphs (one per batch size)" if graphs else ""))
             self._compiled = torch.compile(_decode_step, backend=self.backend, mode=mode, options=options,
                                            dynamic=None if self.compaction or self.attention_window else False)
         return self._compiled
