@@ -35,12 +35,12 @@ class NoStep:
     (["multi_turn.max_turns=0"], "config key 'multi_turn.max_turns': expected an int >= 1, got 0"),
     (["multi_turn.tool_timeout_s=-1"], "config key 'multi_turn.tool_timeout_s': expected a number of seconds > 0"),
     (["multi_turn.chat_format=mistral"], "config key 'multi_turn.chat_format': expected 'auto' or one of"),
-    (["+multi_turn.max_tools=2"], "config key 'multi_turn.max_tools': unknown"),
+    (["multi_turn.max_tools=2"], "config key 'multi_turn.max_tools': unknown"),
     (["tools=null"], "config key 'multi_turn': set, but neither 'tools' nor 'environment' is"),
     (["generation.backend=compiled"], "config key 'generation.backend': 'compiled' does not run tool"),
     (["on_too_long=truncate"], "config key 'on_too_long': 'truncate' cannot cut a tool rollout's prompt"),
-    (["+environment._component_=tests.generation.tools.test_config.NoStep"], "config key 'environment"),
-    (["+environment._component_=logitless.generation.tools.builtin.calculator"],
+    (["environment._component_=tests.generation.tools.test_config.NoStep"], "config key 'environment"),
+    (["environment._component_=logitless.generation.tools.builtin._MAX_EXPONENT"],
      "config key 'environment': expected a class with reset(row) and step(messages)"),
 ])
 def test_bad_turn_settings_name_their_key(overrides, message):

@@ -160,7 +160,10 @@ def check_turn_config(cfg: DictConfig) -> Optional[TurnSettings]:
         return None
     load_tools(tools or [])
     if cfg.get("environment") is not None:
-        check_environment_class(resolve_component(cfg.environment.get("_component_"), "environment"))
+        try:
+            check_environment_class(resolve_component(cfg.environment.get("_component_"), "environment"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return _settings(cfg.get("multi_turn"))
 
 
