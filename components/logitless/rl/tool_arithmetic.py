@@ -46,7 +46,8 @@ def _pairs(split: str, num_samples: int, digits: int, seed: int) -> List[Tuple[i
 
 
 def tool_arithmetic_dataset(tokenizer: Any, *, split: str = "train", num_samples: int = 2000, digits: int = 4,
-                            system_prompt: str = TOOL_ARITHMETIC_SYSTEM_PROMPT, seed: int = 0) -> PromptDataset:
+                            system_prompt: str = TOOL_ARITHMETIC_SYSTEM_PROMPT, seed: int = 0,
+                            **real_dataset_args: Any) -> PromptDataset:
     """Chat prompts ``"a+b="`` with ``digits``-digit operands; the answer column holds the sum.
 
     Args:
@@ -56,6 +57,8 @@ def tool_arithmetic_dataset(tokenizer: Any, *, split: str = "train", num_samples
         digits (int): digits of each operand.
         system_prompt (str): the system turn.
         seed (int): data seed.
+        **real_dataset_args: ignored: another dataset's arguments (``source``, ``chat``...), so that it swaps
+            in for one with a single ``_component_`` override.
 
     Returns:
         PromptDataset: rows with ``prompt_tokens`` (the chat rendering without tools; a tool run
