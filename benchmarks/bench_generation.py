@@ -15,7 +15,7 @@ For each model (torchtune Qwen2.5 builders, logitless's Qwen3-1.7B; random bf16 
 ``--decode-attention sdpa,split_k`` runs ``compiled`` and ``unfused`` once per decode attention
 (``CompiledSampler(decode_attention=...)``; the CSV's ``decode_attention`` column says which).
 
-Samplers: ``compiled`` (``logitless.rl.rollout.CompiledSampler`` with ``fused_projections="shared"``,
+Samplers: ``compiled`` (``logitless.generation.CompiledSampler`` with ``fused_projections="shared"``,
 as ``configs/qwen_grpo.yaml`` builds it; the class's default is ``False``) and
 ``baseline`` (the same class with the options that reproduce the sampler before compaction and
 in-graph sampling: every row decodes until the longest finishes, sampling runs eagerly). ``unfused``
@@ -41,6 +41,7 @@ Example (H200):
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import gc
 import inspect
@@ -177,9 +178,14 @@ def make_samplers(names, compile, cache_len, options=None, attentions=("sdpa",))
     ``options`` go to ``compiled`` and ``unfused``, which are built once per decode attention in
     ``attentions``; ``baseline`` attends with SDPA, ``eager`` with torchtune's layers (``-``).
     """
-    from logitless.rl.rollout import CompiledSampler, generate
+    from logitless.generation import CompiledSampler, generate
 
-    accepted = inspect.signature(CompiledSampler).parameters
+    try:  # the options a CompiledSampler takes (an older checkout: its keyword arguments)
+        from logitless.generation import CompiledSamplerConfig
+
+        accepted = {f.name for f in dataclasses.fields(CompiledSamplerConfig)}
+    except ImportError:
+        accepted = inspect.signature(CompiledSampler).parameters
     # what reproduces the sampler before compaction and in-graph draws, where this version has them
     baseline = {k: v for k, v in dict(compaction=False, draws="generator", attention_window=None).items()
                 if k in accepted}
@@ -216,7 +222,7 @@ def timed(fn, device):
 
 def sample(sampler, model, prompts, new_tokens, stops, seed):
     device = next(model.parameters()).device
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     gens = prompt_generators(seed, 0, range(len(prompts)), device)
     return sampler(model, prompts, max_new_tokens=new_tokens, stop_tokens=stops, pad_id=0,
@@ -258,7 +264,7 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
                            copy_gbps=round(bandwidth / 1e9, 1), roofline_ms=round(roof * 1e3, 3),
                            roofline_frac=round(roof / step, 3) if step > 0 else "")
                 # what a sampler reading each group's prompt once must read (the fraction above
-                # counts every row's copy, as issue 14's roofline does)
+                # counts every row's copy, as the roofline does)
                 shared = step_bytes(model, rows, prompt_len, new_tokens, GROUP) / bandwidth
                 row.update(step_gb_shared=round(shared * bandwidth / 1e9, 3), roofline_shared_ms=round(shared * 1e3, 3),
                            roofline_shared_frac=round(shared / step, 3) if step > 0 else "")
@@ -369,17 +375,18 @@ def run_metadata(device):
                 torchtune=_version("torchtune"))
 
 
-def results_csv(stem, gpu):
-    """``benchmarks/results/<stem>_<gpu name>.csv``."""
+def results_csv(stem, gpu, folder=None):
+    """``<folder>/<stem>_<gpu name>.csv``; the folder defaults to benchmarks/results."""
     name = re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_")
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{stem}_{name}.csv")
+    folder = folder or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    return os.path.join(folder, f"{stem}_{name}.csv")
 
 
-def save_rows(stem, fields, rows, device, out=None, **meta):
+def save_rows(stem, fields, rows, device, out=None, folder=None, **meta):
     """Appends ``rows`` (dicts), each after the run's :func:`run_metadata` and ``meta``, to ``out``
-    or to :func:`results_csv` ``(stem, gpu)``."""
+    or to :func:`results_csv` ``(stem, gpu, folder)``."""
     head = dict(run_metadata(device), **meta)
-    append_rows(Path(out or results_csv(stem, head["gpu"])), fields, [dict(head, **r) for r in rows])
+    append_rows(Path(out or results_csv(stem, head["gpu"], folder)), fields, [dict(head, **r) for r in rows])
 
 
 TABLE_COLUMNS = ["model", "rows", "new_tokens", "mix", "sampler", "decode_attention", "tokens_per_s", "mean_len",

@@ -6,10 +6,10 @@ sampled at temperature 1 from the full vocabulary, with:
 
 * ``torchtune``: ``torchtune.generation.generate`` with its KV cache (prompts repeated G times; it
   keeps fp32 ``[N, T, V]`` logits);
-* ``eager``: ``logitless.rl.rollout.eager.generate`` (KV cache, last-position logits only);
-* ``fast_nocompile``: ``logitless.rl.rollout.compiled`` without compile (prefill once per group,
+* ``eager``: ``logitless.generation.eager.generate`` (KV cache, last-position logits only);
+* ``fast_nocompile``: ``logitless.generation.compiled`` without compile (prefill once per group,
   static caches) - attributes the gain between the shared prefill and the compiled step;
-* ``fast``: ``logitless.rl.rollout.compiled`` with the compiled decode step (CUDA graphs);
+* ``fast``: ``logitless.generation.compiled`` with the compiled decode step (CUDA graphs);
 * ``fast_ungrouped`` (not in the default list): ``fast`` with torchtune's own attention, which
   copies K/V once per query head (isolates the grouped-attention gain);
 * ``hf``: HF transformers ``generate`` (``num_return_sequences=G``, its default dynamic cache) on a
@@ -86,7 +86,7 @@ def _hf_model(tt_model, device):
 
 def _run(backend, model, hf, prompts, groups, new_tokens, fast, seed):
     """Runs one generator; returns the number of new tokens per row it produced."""
-    from logitless.rl.rollout.eager import generate as eager_generate
+    from logitless.generation.eager import generate as eager_generate
 
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -118,7 +118,7 @@ def _run(backend, model, hf, prompts, groups, new_tokens, fast, seed):
 def _agreement(model, sampler, prompts, groups, new_tokens=32):
     """Greedy tokens of the compiled fast sampler against the eager one (a GPU check of the
     CUDA-graph path): share of identical rows and mean length of the common prefix."""
-    from logitless.rl.rollout.eager import generate as eager_generate
+    from logitless.generation.eager import generate as eager_generate
 
     kw = dict(max_new_tokens=new_tokens, stop_tokens=[-1], pad_id=0, num_generations=groups, temperature=0)
     a = eager_generate(model, prompts, **kw).completion_tokens
@@ -130,7 +130,7 @@ def _agreement(model, sampler, prompts, groups, new_tokens=32):
 
 
 def _kept_gib(sampler):
-    """GiB of the cache and step buffers a FastGenerator keeps between calls."""
+    """GiB of the cache and step buffers a CompiledSampler keeps between calls."""
     state = sampler._state or {}
     tensors = [t for c in state.get("caches", []) for t in (c.k_cache, c.v_cache)]
     tensors += [state[k] for k in ("tokens", "input_pos", "key_valid", "weight") if state.get(k) is not None]
@@ -164,7 +164,7 @@ def _timed(fn, device):
 
 def bench_model(name, args, device, writer, rows):
     """All prompt lengths and backends for one model."""
-    from logitless.rl.rollout.compiled import CompiledSampler as FastGenerator
+    from logitless.generation.compiled import CompiledSampler
 
     model = build_dotted(MODELS[name], device)
     vocab = model.tok_embeddings.num_embeddings
@@ -175,10 +175,10 @@ def bench_model(name, args, device, writer, rows):
         except Exception as exc:  # transformers missing or incompatible: reported in the table
             print(f"[{name}] hf skipped: {type(exc).__name__}: {exc}", flush=True)
     cache_len = max(args.prompt_lens) + args.new_tokens
-    fast = {"fast": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len),
-            "fast_nocompile": FastGenerator(compile=False, max_cache_len=cache_len),
-            "fast_ungrouped": FastGenerator(compile=True, backend=args.compile_backend, max_cache_len=cache_len,
-                                            grouped_attention=False)}
+    fast = {"fast": CompiledSampler(compile=True, backend=args.compile_backend, max_cache_len=cache_len),
+            "fast_nocompile": CompiledSampler(compile=False, max_cache_len=cache_len),
+            "fast_ungrouped": CompiledSampler(compile=True, backend=args.compile_backend, max_cache_len=cache_len,
+                                              grouped_attention=False)}
     rng = torch.Generator().manual_seed(0)
     for plen in args.prompt_lens:
         prompts = torch.randint(1, vocab, (args.prompts, plen), generator=rng).tolist()  # no pad id 0

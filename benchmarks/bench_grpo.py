@@ -38,7 +38,7 @@ GEMMs, attention, our head kernels, fused / eager elementwise, optimizer, copies
 
 ``--update-only`` skips the sampler (the update's cost does not depend on the sampled token ids:
 random completions of exactly ``--completion-len`` tokens stand in for them), which makes the grid
-of issue 6 affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
+of the GRPO table affordable. Memory columns: ``static_gib`` (weights + optimizer state before the step),
 ``update_peak_gib`` (peak of the update alone) and ``peak_gib`` (peak of the whole step).
 
 TRL is measured in the same run only when it is importable (``trl``); otherwise the CSV says so.
@@ -72,9 +72,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_ge
 from logitless.losses.grpo import GRPOLoss  # noqa: E402
 from logitless.rl.advantages import group_advantages  # noqa: E402
 from logitless.rl.metrics import update_flops  # noqa: E402
-from logitless.rl.rollout import compiled  # noqa: E402
+from logitless.generation import compiled  # noqa: E402
 from logitless.losses._base import as_head_input  # noqa: E402
-from logitless.rl.rollout import Rollout, generate  # noqa: E402
+from logitless.generation import Rollout, generate  # noqa: E402
 from logitless.rl.reference import ReferencePolicy  # noqa: E402
 from logitless.rl.shared_batch import training_batch  # noqa: E402
 from logitless.rl.update import grpo_update  # noqa: E402
@@ -412,7 +412,7 @@ def main(argv=None):
     p.add_argument("--impls", default="chunked,triton,full_logits,triton+prompt_once")
     p.add_argument("--G", type=int_list, default=[16], help="completions per prompt (comma list)")
     p.add_argument("--generator", default="eager", choices=("eager", "fast"),
-                   help="sampler: rl.rollout.eager or rl.rollout.compiled (static cache, compiled decode)")
+                   help="sampler: generation.eager or generation.compiled (static cache, compiled decode)")
     p.add_argument("--update-only", action="store_true", help="random completions instead of sampling")
     p.add_argument("--prompt-len", type=int_list, default=[1024], help="comma list")
     p.add_argument("--completion-len", type=int_list, default=[512], help="comma list")

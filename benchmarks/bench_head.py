@@ -7,7 +7,9 @@ For each head shape and mode, every implementation runs on the same bf16 inputs:
   ``no_grad``, the old/reference pass of RL), ``ref`` (log-probs alone under ``no_grad``, as
   GRPO's reference and old passes ask for them), ``obj`` (the GRPO policy loss, forward+backward of a
   scalar: PPO-clipped ratio against fixed old log-probs with per-token advantages, minus 0.01 x
-  entropy, token mean; the terms are ``GRPOLoss.token_terms``);
+  entropy, token mean; the objective is ``GRPOLoss.row_objective``; ``--objective full`` adds the
+  sampler-trainer importance weights (token_truncate at 3), the two-sided clip ``delta=4``, the
+  top-20% high-entropy token mask and the k3 KL to a reference with ``beta=0.04``);
 * impls: ``torch`` (plain: bf16 logits, fp32 loss), ``compile`` (``torch.compile`` of it),
   ``tt_chunked`` (torchtune's chunked-output CE: 8 logit chunks, fp32 upcast per chunk),
   ``tt_compiled`` (the same, compiled as torchtune's recipes do with ``compile: True``:
@@ -87,7 +89,18 @@ IGN = -100
 # The obj mode's GRPO loss: clip range, entropy bonus (small, but it exercises the entropy
 # gradient), and the spread of log(pi / pi_old) (some ratios clipped on each side).
 CLIP_EPS, ENT_COEF, OLD_SPREAD = 0.2, 0.01, 0.2
-_GRPO = []  # the GRPOLoss whose token_terms are the objective (its import pulls torchtune: lazy)
+#: ``--objective``: the GRPOLoss settings of the obj mode. ``full``: every per-token term GRPO
+#: practice adds (the sampler's log-probs spread by SAMPLER_SPREAD around the old ones, the
+#: reference's by REF_SPREAD around the current ones).
+OBJECTIVES = {
+    "basic": dict(epsilon=CLIP_EPS, entropy_coef=ENT_COEF),
+    "full": dict(epsilon=CLIP_EPS, epsilon_high=0.28, entropy_coef=ENT_COEF, delta=4.0, beta=0.04,
+                 kl_estimator="k3", top_entropy_quantile=0.2, sampler_correction_mode="token_truncate",
+                 sampler_correction_clip_max=3.0),
+}
+SAMPLER_SPREAD, REF_SPREAD = 0.05, 0.1
+_GRPO = {}  # name -> the GRPOLoss whose row_objective is the objective (its import pulls torchtune: lazy)
+_OBJECTIVE = ["basic"]  # the objective of this run (``--objective``)
 
 
 def _peer_versions():
@@ -156,39 +169,66 @@ def _tt_logp_of(chunk_logp):
     return f
 
 
+def set_objective(name):
+    """Selects the obj mode's objective for this run (a key of :data:`OBJECTIVES`)."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
+    _OBJECTIVE[0] = name
+
+
 def _grpo():
-    if not _GRPO:
+    name = _OBJECTIVE[0]
+    if name not in _GRPO:
         from logitless.losses.grpo import GRPOLoss
 
-        _GRPO.append(GRPOLoss(epsilon=CLIP_EPS, entropy_coef=ENT_COEF))
-    return _GRPO[0]
+        _GRPO[name] = GRPOLoss(**OBJECTIVES[name])
+    return _GRPO[name]
 
 
-def grpo_terms(lp, ent, rows, y, adv, old):
-    """The obj mode's loss over ``rows``: sum of GRPO terms / valid tokens (DAPO), in lp's dtype."""
-    dt = lp.dtype
+def objective(y, adv, consts):
+    """The obj mode's objective as GRPOLoss hands it to the head (a RowObjective over the rows of
+    ``y``): DAPO's token mean with the constants of :func:`grpo_inputs`."""
+    loss = _grpo()
     valid = y != IGN
-    wt = valid[rows].to(dt) / valid.sum().clamp(min=1).to(dt)
-    per_token, _, _ = _grpo().token_terms(lp, lp - old[rows].to(dt), ent, None, adv[rows].to(dt))
-    return (per_token * wt).sum()
+    return loss.row_objective(adv, valid.float() / valid.sum().clamp(min=1), valid, consts["old"], consts.get("ref"),
+                              policy_weight=consts.get("policy_weight"), entropy_weight=consts["entropy_weight"])
+
+
+def grpo_terms(lp, ent, rows, y, adv, consts):
+    """The obj mode's loss over ``rows`` (:func:`objective`), in lp's dtype."""
+    return objective(y, adv, consts)(lp, ent, rows)
 
 
 def grpo_inputs(h, w, y, gen):
-    """The obj mode's constants: per-token advantages and old log-probs (the current ones + noise)."""
+    """The obj mode's constants: per-token advantages, and ``{"old", "entropy_weight"}`` plus, for the
+    full objective, ``"ref"`` and ``"policy_weight"`` (the sampler importance weight times the
+    high-entropy mask); old log-probs are the current ones + noise."""
     import logitless
 
+    loss = _grpo()
     adv = torch.randn(y.shape[0], device=h.device, generator=gen)
     noise = torch.randn(y.shape[0], device=h.device, generator=gen)
+    valid = y != IGN
     with torch.no_grad():
-        logp, _ = logitless.linear_log_probs(h, w, y, return_entropy=False)
-    return adv, (logp.float() + OLD_SPREAD * noise) * (y != IGN)
+        logp, ent = logitless.linear_log_probs(h, w, y, return_entropy=True)
+    old = (logp.float() + OLD_SPREAD * noise) * valid
+    consts = {"old": old}
+    selected = valid
+    if _OBJECTIVE[0] == "full":
+        sampler = old + SAMPLER_SPREAD * torch.randn(y.shape[0], device=h.device, generator=gen)
+        consts["ref"] = (logp.float() + REF_SPREAD * torch.randn(y.shape[0], device=h.device, generator=gen)) * valid
+        keep = loss.high_entropy_mask(ent.float()[None], valid[None])
+        consts["policy_weight"] = loss.policy_weights(valid[None], old[None], sampler[None], keep)[0]
+        selected = keep[0]
+    consts["entropy_weight"] = selected.float() / selected.sum().clamp(min=1)
+    return adv, consts
 
 
 def _obj_of(logp_ent):
     # The unfused objective: per-token (logp, ent) of every row, then the GRPO terms by autograd.
-    def f(h, w, y, adv, old):
+    def f(h, w, y, adv, consts):
         logp, ent = logp_ent(h, w, y)
-        return grpo_terms(logp, ent, torch.arange(y.shape[0], device=y.device), y, adv, old)
+        return grpo_terms(logp, ent, torch.arange(y.shape[0], device=y.device), y, adv, consts)
 
     return f
 
@@ -200,7 +240,7 @@ _HEAD_GEMM_IMPLS = {"triton_hgemm": "triton", "triton_fused_hgemm": "triton", "t
 
 def build(impl, mode):
     """Returns ``f(h, w, y) -> loss`` (ce), ``(logp, ent_or_None)`` (logp, fwd),
-    ``f(h, w, y, adv, old) -> loss`` (obj), or a str why not."""
+    ``f(h, w, y, adv, consts) -> loss`` (obj), or a str why not."""
     import logitless
 
     if mode == "obj":
@@ -251,7 +291,7 @@ def build(impl, mode):
         if mode == "ce":
             return lambda h, w, y: logitless.linear_cross_entropy(h, w, y, impl=impl)
         if mode == "obj":
-            return lambda h, w, y, adv, old: _linear_obj(h, w, y, adv, old, impl)
+            return lambda h, w, y, adv, consts: _linear_obj(h, w, y, adv, consts, impl)
         return lambda h, w, y: logitless.linear_log_probs(h, w, y, impl=impl, return_entropy=mode != "ref")
     if impl in _PEERS:
         try:
@@ -312,19 +352,18 @@ class _with_head_gemm:
         return settings.override(head_gemm=self.mode)
 
 
-def _linear_obj(h, w, y, adv, old, impl):
+def _linear_obj(h, w, y, adv, consts, impl):
     from logitless.ops import linear_token_objective
 
-    # grpo_terms' objective as GRPOLoss hands it to the head: constants named (a RowObjective)
-    valid = y != IGN
-    objective = _grpo().row_objective(adv, valid.float() / valid.sum().clamp(min=1), valid, old)
-    return linear_token_objective(h, w, y, objective, ignore_index=IGN, need_entropy=True, impl=impl)[0]
+    return linear_token_objective(h, w, y, objective(y, adv, consts), ignore_index=IGN, need_entropy=True,
+                                  impl=impl)[0]
 
 
 def step(f, mode, h, w, y, g1, g2):
     """One timed unit: forward (+ backward). Returns what the error check needs.
 
-    ``g1``, ``g2``: upstream gradients of logp and ent (logp), advantages and old log-probs (obj).
+    ``g1``, ``g2``: upstream gradients of logp and ent (logp), advantages and the other constants
+    (obj, :func:`grpo_inputs`).
     ``f.context()``, when ``f`` has one, is entered around the whole step (knobs that the backward
     reads too).
     """
@@ -347,8 +386,8 @@ def _step(f, mode, h, w, y, g1, g2):
 
 
 # ---------------------------------------------------------------- float64 reference (chunked)
-def reference64(h, w, y, g1, g2, adv=None, old=None, rows=1024):
-    """float64 CE(mean), logp/ent and (given ``adv``, ``old``) the obj loss, with their gradients,
+def reference64(h, w, y, g1, g2, adv=None, consts=None, rows=1024):
+    """float64 CE(mean), logp/ent and (given ``adv``, ``consts``) the obj loss, with their gradients,
     chunked over rows on the device."""
     h64, w64 = h.detach().double(), w.detach().double()
     n = h.shape[0]
@@ -376,7 +415,7 @@ def reference64(h, w, y, g1, g2, adv=None, old=None, rows=1024):
         if adv is not None:
             lp_, en_ = (t.detach().requires_grad_() for t in (logp[s:s + rows], ent[s:s + rows]))
             with torch.enable_grad():
-                value = grpo_terms(lp_, en_, torch.arange(s, s + hc.shape[0], device=h.device), y, adv, old)
+                value = grpo_terms(lp_, en_, torch.arange(s, s + hc.shape[0], device=h.device), y, adv, consts)
                 ups["obj"] = torch.autograd.grad(value, (lp_, en_))
             obj += value.detach()
         for key in keys:
@@ -658,7 +697,7 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
     import triton
 
     h, w, y, g1, g2, gen = head_inputs(shape, torch.device("cuda"), logits, logit_std, ignore_frac)
-    adv, old = grpo_inputs(h, w, y, gen)
+    adv, consts = grpo_inputs(h, w, y, gen)
     gemm_ms = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), 10, 3)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     fields = ["shape", "impl", "mode", "gemm_ms", "wall", "gemm", "epilogue", "other", "idle",
@@ -670,7 +709,7 @@ def profile_breakdown(shape, out=None, reps=3, logits="gaussian", logit_std=2.0,
         if isinstance(f, str):
             print(f"{impl:13s} {mode:4s} {f}")
             continue
-        ups = (adv, old) if mode == "obj" else (g1, g2)
+        ups = (adv, consts) if mode == "obj" else (g1, g2)
         run = lambda: step(f, mode, h, w, y, *ups)  # noqa: E731
         for _ in range(2):
             run()
@@ -898,6 +937,8 @@ def main(argv=None):
                     help="input regimes, comma-separated: " + ", ".join(LOGITS))
     ap.add_argument("--logit-std", type=float, default=2.0, help="std of the gaussian logits")
     ap.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of ignored labels")
+    ap.add_argument("--objective", default="basic", choices=sorted(OBJECTIVES),
+                    help="the obj mode's GRPO objective (full: importance weights, delta, top-entropy mask, k3 KL)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="CSV path (appends rows)")
@@ -912,6 +953,7 @@ def main(argv=None):
     ap.add_argument("--plot", nargs=2, metavar=("CSV", "PNG"), help="only draw a results CSV")
     ap.add_argument("--table", metavar="CSV", help="only print a results CSV as markdown tables")
     args = ap.parse_args(argv)
+    set_objective(args.objective)
     if args.profile:
         try:
             cases = profile_cases(args.impls.split(","), args.modes.split(","))
@@ -950,7 +992,7 @@ def main(argv=None):
     modes = args.modes.split(",")
     dev = torch.device("cuda")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, date=datetime.date.today().isoformat(),
+                cuda=torch.version.cuda, date=datetime.date.today().isoformat(), objective=args.objective,
                 **{k.replace("-", "_"): v for k, v in _peer_versions().items()})
     print("# " + " ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
     fields = ["shape", "N", "H", "V", "logits", "ignore_frac", "mode", "impl", "ms", "gemm_ms", "gemms", "peak_extra_gib",
@@ -960,14 +1002,14 @@ def main(argv=None):
         n, hd, v = SHAPES[shape]
         h, w, y, g1, g2, gen = head_inputs(shape, dev, regime, args.logit_std, args.ignore_frac)
         regime_name = f"gaussian-std{args.logit_std:g}" if regime == "gaussian" else regime
-        adv, old = grpo_inputs(h, w, y, gen) if "obj" in modes else (None, None)
-        ref = reference64(h, w, y, g1, g2, adv, old)
+        adv, consts = grpo_inputs(h, w, y, gen) if "obj" in modes else (None, None)
+        ref = reference64(h, w, y, g1, g2, adv, consts)
         torch.cuda.empty_cache()
         gemm = time_ms(lambda: torch.matmul(h.detach(), w.detach().t()), max(args.reps, 10), 3)
         print(f"## {shape} N={n} H={hd} V={v} {regime_name} ignored {args.ignore_frac:g}: "
               f"one GEMM = {gemm:.2f} ms", flush=True)
         for mode in modes:
-            ups = (adv, old) if mode == "obj" else (g1, g2)
+            ups = (adv, consts) if mode == "obj" else (g1, g2)
             for impl in args.impls.split(","):
                 base = dict(shape=shape, N=n, H=hd, V=v, logits=regime_name, ignore_frac=args.ignore_frac,
                             mode=mode, impl=impl, gemm_ms=round(gemm, 3), **meta)
@@ -996,7 +1038,7 @@ def main(argv=None):
                 del f
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
-        h = w = y = g1 = g2 = adv = old = ups = ref = None
+        h = w = y = g1 = g2 = adv = consts = ups = ref = None
         torch.cuda.empty_cache()
     print("\nshape    logits          mode impl              ms  GEMMs  GiB   err_out  err_dh   err_dw   note")
     for r in rows:

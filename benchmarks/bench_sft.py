@@ -24,7 +24,7 @@ Same model, sequence length, batch, activation checkpointing (on by default) and
     python benchmarks/bench_sft.py --model qwen2_5_0_5b --seq 8192 --max-batch   # largest batch per variant
     python benchmarks/bench_sft.py --model qwen3_1_7b --batch 1 --seq 65536 --variants no_head,logitless_fused
     python benchmarks/bench_sft.py --model qwen2_5_7b --batch 1 --seq 32768 --compile \
-        --variants no_head,torchtune_chunked_compiled,logitless_fused        # issue 16's SFT target
+        --variants no_head,torchtune_chunked_compiled,logitless_fused        # the SFT target
     python benchmarks/bench_sft.py --quick                                       # tiny model, seconds
 
 Writes ``benchmarks/results/sft_<model>_<device>.csv`` (appends; one row per variant) and prints a table.

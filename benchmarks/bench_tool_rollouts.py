@@ -92,7 +92,7 @@ def multi_turn(model, args, latency_ms, seed):
     """(seconds, rollout) of one multi-turn rollout."""
     from logitless.generation.tools.eager import generate_turns
     from logitless.generation.tools.session import TurnSession
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     vocab = model.tok_embeddings.num_embeddings
     rng = torch.Generator().manual_seed(seed)
@@ -115,7 +115,7 @@ def multi_turn(model, args, latency_ms, seed):
 
 def single_turn(model, sampler, args, length, seed):
     """(seconds, rollout) of ``length`` tokens per row without a stop."""
-    from logitless.rl.rollout import prompt_generators
+    from logitless.generation import prompt_generators
 
     vocab = model.tok_embeddings.num_embeddings
     prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -157,7 +157,7 @@ def update(model, rollout, device):
 
 
 def bench_model(name, args, device):
-    from logitless.rl.rollout import CompiledSampler, generate
+    from logitless.generation import CompiledSampler, generate
 
     model = build_model(name, device)
     base = dict(model=name, rows=args.rows, G=GROUP, prompt_len=args.prompt_len, turns=args.turns,

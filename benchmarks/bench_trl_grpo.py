@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer step time and peak memory, for a side-by-side with our GRPO recipe.
 
-The setting of DESIGN.md / issue 5: random-weight Qwen2.5 (0.5B or 1.5B architecture), one
+The setting of the GRPO step table: random-weight Qwen2.5 (0.5B or 1.5B architecture), one
 1024-token prompt per step, G=16 completions of 512 tokens (no early stop), beta=0, loss_type dapo,
 gradient checkpointing, bf16. Runs offline: the model is built from a config and the tokenizer is
 the bundled tiny BPE one (token ids only matter for shapes). Needs ``trl`` (carried as a wheel).

@@ -40,12 +40,12 @@ from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
 from logitless.rl.dynamic_sampling import GroupFill, ScoredRollout, micro_batch_size_for
 from logitless.rl.evaluation import greedy_accuracy
 from logitless.rl.metrics import TURN_COLUMNS, gather_columns, rollout_metrics, turn_columns, turn_metrics, update_flops
-from logitless.rl.policy_sampler import PolicySampler
+from logitless.generation.policy_sampler import PolicySampler
 from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, prompt_stream_indices
 from logitless.rl.reference import build_reference, reference_sync_due
 from logitless.rl.reward_models import place_reward_models
 from logitless.rl.rewards import build_reward_specs, compute_rewards
-from logitless.rl.rollout import prompt_generators
+from logitless.generation import prompt_generators
 from logitless.rl.shared_batch import step_packing_attention, training_batch, use_prompt_sharing
 from logitless.rl.update import grpo_update
 from logitless.training import model as model_utils
@@ -104,8 +104,10 @@ class GRPORecipe:
         if self.sampler.turns is not None:  # prompts as the rollout renders them: with the tools
             self.dataset = self.sampler.turns.render_prompts(self.dataset, "dataset")
             self.eval_dataset = self.sampler.turns.render_prompts(self.eval_dataset, "eval_dataset")
-        limits = dict(max_seq_len=self.sampler.max_seq_len, max_new_tokens=self.sampler.max_new_tokens,
-                      log=self.runtime.is_rank_zero)  # every prompt must fit the sampler's length limit
+        # every prompt must hold the values its rewards read and fit the sampler's length limit
+        limits = dict(rewards=self.rewards, max_seq_len=self.sampler.max_seq_len,
+                      max_new_tokens=self.sampler.max_new_tokens, log=self.runtime.is_rank_zero,
+                      rollout_columns=self.sampler.reward_columns)
         self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
         self.eval_dataset = fit_prompts(self.eval_dataset, "eval_dataset", cfg, **limits)
         # output_dir ownership, verified checkpoint, config changes: decided before the policy is built
@@ -248,7 +250,7 @@ class GRPORecipe:
                           micro_batch_size=micro_batch_size, num_iterations=cfg.num_iterations,
                           reference=self.reference, clip_grad_norm=cfg.clip_grad_norm,
                           lr_scheduler=self.lr_scheduler, data_parallel=self.runtime if self.distributed else None,
-                          guard=self.guard, step=step + 1)
+                          guard=self.guard, step=step + 1, sampler_log_probs=rollout.sampler_log_probs)
         if self.reference is not None:
             self.runtime.release(self.reference.model)
         self.sync_reference(step)
@@ -259,7 +261,9 @@ class GRPORecipe:
             [float(rollout.prompt_mask.sum()) + float(rollout.completion_lengths.sum()),
              update_flops(self.flops, rollout.prompt_mask.sum(1), rollout.completion_lengths, group_size=group_size,
                           prompt_once=attention is not None, num_iterations=cfg.num_iterations,
-                          reference=self.reference is not None)], dtype=torch.float64)).tolist()
+                          reference=self.reference is not None,
+                          old_pass=self.loss_fn.needs_old_log_probs(cfg.num_iterations, True))],
+            dtype=torch.float64)).tolist()
         utilisation = mfu(flops, t_end - t_gen, self.peak_flops, self.runtime.world_size)
         return {**metrics, **upd,
                 "prompt_sharing": float(attention is not None), "prompt_sharing_flex": float(attention == "flex"),

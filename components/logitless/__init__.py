@@ -24,7 +24,7 @@ from logitless.resources import register_resolvers  # noqa: E402
 
 register_resolvers()  # ${logitless_asset:...} in configs, before any config is resolved
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["linear_cross_entropy", "linear_log_probs", "__version__"]
 
 # The functional API lives in logitless.ops, which imports torch and Triton: loaded on first use.

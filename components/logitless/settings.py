@@ -23,7 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List
 
-__all__ = ["Knob", "KNOBS", "Settings", "settings", "describe"]
+__all__ = ["HEAD_GEMM_BACKENDS", "Knob", "KNOBS", "Settings", "settings", "describe"]
+
+#: The head's GEMM backends (``LOGITLESS_HEAD_GEMM``, the ops' and losses' ``gemm_backend``).
+HEAD_GEMM_BACKENDS = ("cublas", "triton", "quack", "auto")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -155,7 +158,7 @@ KNOBS: Dict[str, Knob] = {
         "Programs per SM the epilogue grids aim for (rows x column splits): more splits keep small "
         "chunks streaming, for more partial results to merge."),
     "head_gemm": Knob(
-        "LOGITLESS_HEAD_GEMM", "auto", _choice("cublas", "triton", "quack", "auto"),
+        "LOGITLESS_HEAD_GEMM", "auto", _choice(*HEAD_GEMM_BACKENDS),
         "GEMMs of impl='triton': 'cublas' (cuBLAS GEMMs over logits tiles, Triton epilogue kernels "
         "between them), 'triton' (persistent Triton GEMMs with the statistics / dlogits / dW "
         "accumulation in their epilogues: no logits workspace, no logits round trip; slower than "

@@ -67,7 +67,8 @@ def test_compiled_options_reach_the_sampler(bench):
     args = bench.parse_args(["--compiled-options", "graph_sampling=False,attention_window=None,min_bucket=4"])
     assert args.compiled_options == {"graph_sampling": False, "attention_window": None, "min_bucket": 4}
     sampler = bench.make_samplers(["compiled"], False, 64, args.compiled_options)["compiled", "sdpa"]
-    assert (sampler.graph_sampling, sampler.attention_window, sampler.min_bucket) == (False, None, 4)
+    assert (sampler.config.graph_sampling, sampler.config.attention_window, sampler.config.min_bucket) == \
+        (False, None, 4)
     with pytest.raises(SystemExit):
         bench.parse_args(["--compiled-options", "graph_sampling"])
 
@@ -75,16 +76,16 @@ def test_compiled_options_reach_the_sampler(bench):
 def test_unfused_sampler_is_the_compiled_one_without_fused_projections(bench):
     samplers = bench.make_samplers(["compiled", "unfused"], False, 64, {"min_bucket": 4})
     compiled, unfused = samplers["compiled", "sdpa"], samplers["unfused", "sdpa"]
-    assert (compiled.fused_projections, unfused.fused_projections) == ("shared", False)
-    assert unfused.min_bucket == 4
+    assert (compiled.config.fused_projections, unfused.config.fused_projections) == ("shared", False)
+    assert unfused.config.min_bucket == 4
 
 
 def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tmp_path, monkeypatch):
     import importlib
 
-    # the plumbing is tested here, the kernel in tests/ops: its plain PyTorch fallback keeps this fast
-    kernels = importlib.import_module("logitless.ops.triton.decode_attention")
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    # the plumbing is tested here, the kernel in tests/generation/kernels: its plain PyTorch fallback keeps this fast
+    kernels = importlib.import_module("logitless.generation.kernels.decode_attention.op")
+    monkeypatch.setattr(kernels, "triton_interpreting", lambda: False)
     out = tmp_path / "gen.csv"
     assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "16", "--prompt-len", "4",
                        "--new-tokens", "4", "--samplers", "compiled,baseline", "--decode-attention", "sdpa,split_k",
@@ -95,7 +96,7 @@ def test_decode_attention_runs_compiled_once_per_choice_and_says_which(bench, tm
         for m in ("uniform", "mix")]
     assert all(r["status"] == "ok" for r in rows)
     samplers = bench.make_samplers(["compiled", "eager"], False, 64, {}, ("sdpa", "split_k"))
-    assert samplers["compiled", "split_k"].decode_attention == "split_k" and ("eager", "-") in samplers
+    assert samplers["compiled", "split_k"].config.decode_attention == "split_k" and ("eager", "-") in samplers
     for bad in (["--decode-attention", "flash"], ["--compiled-options", "decode_attention='split_k'"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

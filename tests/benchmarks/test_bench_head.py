@@ -19,24 +19,28 @@ def bench(load_benchmark):
     return load_benchmark("bench_head")
 
 
-@pytest.fixture(scope="module")
-def case(bench):
-    gen = torch.Generator().manual_seed(0)
+def _make_case(bench, seed):
+    gen = torch.Generator().manual_seed(seed)
     h = torch.randn(N, H, generator=gen).requires_grad_(True)
     w = (torch.randn(V, H, generator=gen) * (2.0 / H**0.5)).requires_grad_(True)
     y = torch.randint(0, V, (N,), generator=gen)
     y[torch.rand(N, generator=gen) < 0.25] = bench.IGN
     g1, g2 = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
-    adv, old = bench.grpo_inputs(h, w, y, gen)
+    adv, consts = bench.grpo_inputs(h, w, y, gen)
     # rows=16: several reference chunks, the last one partial
-    ref = bench.reference64(h, w, y, g1, g2, adv, old, rows=16)
-    return h, w, y, g1, g2, adv, old, ref
+    ref = bench.reference64(h, w, y, g1, g2, adv, consts, rows=16)
+    return h, w, y, g1, g2, adv, consts, ref
+
+
+@pytest.fixture(scope="module")
+def case(bench):
+    return _make_case(bench, 0)
 
 
 def _check(bench, case, impl, mode):
-    h, w, y, g1, g2, adv, old, ref = case
+    h, w, y, g1, g2, adv, consts, ref = case
     f = bench.build(impl, mode)
-    ups = (adv, old) if mode == "obj" else (g1, g2)
+    ups = (adv, consts) if mode == "obj" else (g1, g2)
     out = bench.step(f, mode, h, w, y, *ups)
     errs = bench.errors(mode, out, h, w, ref)
     h.grad = w.grad = None
@@ -46,7 +50,8 @@ def _check(bench, case, impl, mode):
 
 def test_obj_inputs_clip_on_both_sides(bench, case):
     # The objective must exercise both branches of the PPO min, on both signs of the advantage.
-    h, w, y, _, _, adv, old, ref = case
+    h, w, y, _, _, adv, consts, ref = case
+    old = consts["old"]
     valid = y != bench.IGN
     log_ratio = (ref["logp"][0].float() - old)[valid]
     clipped = (log_ratio.exp() - 1).abs() > bench.CLIP_EPS
@@ -56,13 +61,13 @@ def test_obj_inputs_clip_on_both_sides(bench, case):
 
 def test_reference_obj_matches_float64_autograd(bench, case):
     # The reference's hand-written logits gradient against plain float64 autograd of the same loss.
-    h, w, y, _, _, adv, old, ref = case
+    h, w, y, _, _, adv, consts, ref = case
     h64, w64 = (t.detach().double().requires_grad_(True) for t in (h, w))
     logz = (h64 @ w64.t()).log_softmax(-1)
     valid = y != bench.IGN
     logp = logz.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1) * valid
     ent = -(logz.exp() * logz).sum(-1) * valid
-    loss = bench.grpo_terms(logp, ent, torch.arange(N), y, adv, old)
+    loss = bench.grpo_terms(logp, ent, torch.arange(N), y, adv, consts)
     loss.backward()
     r_loss, r_dh, r_dw = ref["obj"]
     assert torch.allclose(r_loss, loss, rtol=1e-12)
@@ -107,7 +112,7 @@ def test_hgemm_peers_run_the_triton_gemms(bench, case, monkeypatch, impl, mode, 
     monkeypatch.setattr(gemm_epilogues, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(head, "WORKSPACE_BYTES", 3232)  # 8-row chunks: dW accumulated
     if mode == "fwd":
-        h, w, y, g1, g2, adv, old, ref = case
+        h, w, y, g1, g2, adv, consts, ref = case
         logp, _ = bench.step(bench.build(impl, mode), mode, h, w, y, g1, g2)
         assert bench.rel(logp, ref["logp"][0]) < TOL
     else:
@@ -121,6 +126,38 @@ def test_hgemm_blocks_parse_and_name_bad_input(bench):
         "stats": (128, 256, 64, 8, 8, 3, 1), "dw": (64, 128, 32, 4, 4, 2, 0)}
     with pytest.raises(ValueError, match="--hgemm-blocks.*'logits=128x128'"):
         bench.parse_hgemm_blocks("logits=128x128")
+
+
+@pytest.fixture
+def full_objective(bench):
+    """bench_head run with ``--objective full`` (the module's selection restored afterwards)."""
+    bench.set_objective("full")
+    yield
+    bench.set_objective("basic")
+
+
+@pytest.fixture
+def full_case(bench, full_objective):
+    return _make_case(bench, 1)
+
+
+def test_full_objective_has_every_term(bench, full_case):
+    # importance weights that vary (token_truncate), a top-20% entropy mask, a reference for the KL
+    h, w, y, _, _, adv, consts, ref = full_case
+    valid = y != bench.IGN
+    loss = bench._grpo()
+    assert loss.delta == 4.0 and loss.beta > 0 and loss.kl_estimator == "k3" and loss.top_entropy_quantile == 0.2
+    kept = consts["policy_weight"][valid] > 0
+    assert 0.15 < kept.float().mean() < 0.3
+    assert consts["policy_weight"][valid][kept].std() > 0.01 and (consts["policy_weight"][~valid] == 0).all()
+    assert torch.equal(consts["entropy_weight"] > 0, consts["policy_weight"] > 0)
+    assert (consts["ref"][valid] != 0).all()
+
+
+@pytest.mark.parametrize("impl", ["torch", "chunked", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1"))])
+def test_full_objective_matches_reference(bench, full_case, impl):
+    _check(bench, full_case, impl, "obj")
 
 
 @pytest.mark.parametrize("impl", ["tt_chunked", "liger", "cce"])

@@ -46,7 +46,7 @@ def _sdpa(q, k, v, valid, n):
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("rows", [8, 64])
 def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtype):
-    from logitless.ops.triton import decode_attention
+    from logitless.generation.kernels.decode_attention import decode_attention
 
     hq, hkv, dim = SHAPES[model]
     for n in (1, 257, 1100, LENGTH):
@@ -67,7 +67,7 @@ def test_kernel_matches_float64_as_well_as_sdpa_at_qwen_shapes(model, rows, dtyp
 def test_shared_prefix_matches_float64_as_well_as_sdpa_at_qwen_shapes(model):
     # 64 rows = 4 prompts x 16 completions, 1024 prompt columns; rows past the first of a group hold
     # NaN there (never read); the last 4 rows are compaction's fillers, outside every segment
-    from logitless.ops.triton.decode_attention import SharedPrefix, decode_attention, group_segments, prefix_rows
+    from logitless.generation.kernels.decode_attention import SharedPrefix, decode_attention, group_segments, prefix_rows
 
     hq, hkv, dim = SHAPES[model]
     rows, group, width, covered = 64, 16, 1024, 60
@@ -104,8 +104,8 @@ def test_programmatic_launch_gives_the_same_bits_in_and_out_of_a_cuda_graph(mode
     # must not change, also when a graph chains many calls that each read the previous one's output.
     # With a shared prefix the row kernel starts while the prefix kernel streams 1024 columns and
     # its rows only 76: a merge that did not wait for the prefix partials would read them unwritten
-    from logitless.ops.triton import decode_attention
-    from logitless.ops.triton.decode_attention import (SharedPrefix, group_segments, prefix_rows,
+    from logitless.generation.kernels.decode_attention import decode_attention
+    from logitless.generation.kernels.decode_attention import (SharedPrefix, group_segments, prefix_rows,
                                                        supports_programmatic_launch)
 
     if not supports_programmatic_launch(torch.device("cuda")):
@@ -148,12 +148,12 @@ def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_la
 
     from torch._dynamo.utils import counters
 
-    from logitless.rl.rollout import CompiledSampler
-    from logitless.rl.rollout.eager import generate
+    from logitless.generation import CompiledSampler
+    from logitless.generation.eager import generate
 
     # no counters reserved by an earlier test: the sampler reserves its own, outside the CUDA graphs'
     # memory pool (allocated in the warm-up, they failed the graph's pool check)
-    monkeypatch.setattr(importlib.import_module("logitless.ops.triton.decode_attention"), "_ARRIVALS", {})
+    monkeypatch.setattr(importlib.import_module("logitless.generation.kernels.decode_attention.op"), "_ARRIVALS", {})
 
     model = two_layers_varied
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
@@ -171,8 +171,8 @@ def test_greedy_compiled_split_k_equals_sdpa_token_for_token_in_one_graph(two_la
 
 
 def test_greedy_shared_prompt_decode_equals_per_row_split_k_token_for_token(two_layers_varied):
-    from logitless.rl.rollout import CompiledSampler
-    from logitless.rl.rollout.eager import generate
+    from logitless.generation import CompiledSampler
+    from logitless.generation.eager import generate
 
     model = two_layers_varied
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
@@ -182,7 +182,7 @@ def test_greedy_shared_prompt_decode_equals_per_row_split_k_token_for_token(two_
     for share in (False, True):
         sampler = CompiledSampler(min_bucket=2, sync_every=4, decode_attention="split_k", shared_prompt_decode=share)
         runs[share] = sampler(model, PROMPTS, **kw)
-        assert (sampler._state["segments"] is not None) == share
+        assert (sampler._state.segments is not None) == share
     assert len(set(runs[True].completion_lengths.tolist())) >= 3  # compaction ran
     assert torch.equal(runs[True].completion_mask, runs[False].completion_mask)
     assert torch.equal(runs[True].completion_tokens, runs[False].completion_tokens)
@@ -198,8 +198,8 @@ def test_new_token_in_a_cuda_graph_matches_rotating_and_writing_first(model):
 
     from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 
-    dr = importlib.import_module("logitless.ops.triton.decode_rotary")
-    da = importlib.import_module("logitless.ops.triton.decode_attention")
+    dr = importlib.import_module("logitless.generation.kernels.decode_rotary")
+    da = importlib.import_module("logitless.generation.kernels.decode_attention")
     hq, hkv, dim = SHAPES[model]
     rows, n = 64, 3001
     _, k, v, valid = _problem(hq, hkv, dim, rows, torch.bfloat16, seed=11)

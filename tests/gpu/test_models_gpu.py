@@ -5,8 +5,8 @@ the eager reference sampler (skipped without CUDA)."""
 import pytest
 import torch
 
-from logitless.rl.rollout import CompiledSampler
-from logitless.rl.rollout.eager import generate
+from logitless.generation import CompiledSampler
+from logitless.generation.eager import generate
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,14 +31,14 @@ def _model(name):
 
 @pytest.mark.parametrize("name", ["qwen3_0_6b", "llama3_2_1b"])
 def test_greedy_compiled_equals_eager_token_for_token(name):
-    from logitless.rl.rollout import compiled
+    from logitless.generation import decode_step
 
     model = _model(name)
     free = generate(model, PROMPTS, max_new_tokens=48, stop_tokens=[-1], pad_id=0, num_generations=4, temperature=0)
     stops = sorted({int(free.completion_tokens[4 * p, 8 + 10 * p]) for p in range(4)})
     kw = dict(max_new_tokens=48, stop_tokens=stops, pad_id=0, num_generations=4, temperature=0)
     ref = generate(model, PROMPTS, **kw)
-    assert all(compiled._groupable(layer) for layer in model.layers)  # the grouped (captured) step runs
+    assert all(decode_step.groupable(layer) for layer in model.layers)  # the grouped (captured) step runs
     out = CompiledSampler(min_bucket=2, sync_every=4, fused_projections="shared")(model, PROMPTS, **kw)
     assert torch.equal(out.completion_mask, ref.completion_mask)
     assert torch.equal(out.completion_tokens, ref.completion_tokens)

@@ -4,9 +4,9 @@ forward, and a smaller peak (skipped without CUDA)."""
 import pytest
 import torch
 
-from logitless.rl.rollout import CompiledSampler
-from logitless.rl.rollout.prefill import prefill
-from logitless.rl.rollout.result import left_pad
+from logitless.generation import CompiledSampler
+from logitless.generation.prefill import prefill
+from logitless.generation.result import left_pad
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

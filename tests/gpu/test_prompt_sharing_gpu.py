@@ -7,7 +7,7 @@ import torch
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.modules.cascade_attention import cascade_layout, enable_cascade_attention
-from logitless.rl.rollout.eager import generate
+from logitless.generation.eager import generate
 from logitless.rl.shared_batch import FLEX_LENGTH_MULTIPLE, shared_batch
 
 pytestmark = [pytest.mark.gpu,

@@ -4,8 +4,8 @@ in-graph draws) against the eager reference sampler (skipped without CUDA)."""
 import pytest
 import torch
 
-from logitless.rl.rollout import CompiledSampler, prompt_generators
-from logitless.rl.rollout.eager import generate
+from logitless.generation import CompiledSampler, prompt_generators
+from logitless.generation.eager import generate
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

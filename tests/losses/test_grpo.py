@@ -38,7 +38,7 @@ def reference_loss(hidden, weight, labels, adv, old, ref, *, loss_type, eps_lo=0
     logz = torch.logsumexp(logits, dim=-1, keepdim=True)
     logsm = logits - logz
     b, s = labels.shape
-    seq_terms, all_terms, count = [], [], 0
+    seq_terms, all_terms, count, entropies = [], [], 0, []
     for i in range(b):
         if truncated is not None and truncated[i]:
             seq_terms.append([])
@@ -58,20 +58,22 @@ def reference_loss(hidden, weight, labels, adv, old, ref, *, loss_type, eps_lo=0
                 term = term + beta * (torch.exp(d) - d - 1)
             if ent_coef:
                 p = torch.softmax(logits[i, t], -1)
-                term = term - ent_coef * (-(p * torch.log(p)).sum())
+                entropies.append(-(p * torch.log(p)).sum())
             terms.append(term)
         seq_terms.append(terms)
         all_terms += terms
         count += len(terms)
     total_seqs = b if total_seqs is None else total_seqs
     zero = hidden.sum() * 0
+    # the entropy bonus: the mean entropy per loss token of the batch, whatever the loss_type
+    bonus = ent_coef * sum(entropies, zero) / max(count if total_tokens is None else total_tokens, 1)
     if loss_type == "grpo":
-        return sum((sum(t) / len(t) for t in seq_terms if t), zero) / total_seqs
+        return sum((sum(t) / len(t) for t in seq_terms if t), zero) / total_seqs - bonus
     if loss_type == "bnpo":
-        return sum(all_terms, zero) / max(count, 1) / num_micro
+        return sum(all_terms, zero) / max(count, 1) / num_micro - bonus
     if loss_type == "dr_grpo":
-        return sum(all_terms, zero) / (total_seqs * max_len)
-    return sum(all_terms, zero) / max(count if total_tokens is None else total_tokens, 1)
+        return sum(all_terms, zero) / (total_seqs * max_len) - bonus
+    return sum(all_terms, zero) / max(count if total_tokens is None else total_tokens, 1) - bonus
 
 
 def run_both(loss_kwargs, ref_kwargs, call_kwargs=None, seed=0, impl="reference"):

@@ -14,8 +14,8 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
 from logitless.models import (HFCheckpointer, HFConfigError, from_hf, hf_config_from_model, hf_model_spec,
                               hf_tokenizer, model_family, read_hf_config)
-from logitless.rl.rollout.compiled import CompiledSampler
-from logitless.rl.rollout.eager import generate as eager_generate
+from logitless.generation.compiled import CompiledSampler
+from logitless.generation.eager import generate as eager_generate
 from logitless.training import CheckpointManager, load_weights
 from logitless.training.export import ModelExport
 
@@ -168,10 +168,10 @@ def test_greedy_decoding_equals_transformers_generate(hf_checkpoint, tmp_path, f
     for name, sampler in {"eager": eager_generate, "compiled_sdpa": CompiledSampler(compile=False)}.items():
         assert sampler(model, prompts, **kw).completion_tokens.tolist() == want, name
     if family == "qwen3":  # the split-K step: q/k normalised, then rotated and cached by the Triton kernel
-        from logitless.rl.rollout import compiled
+        from logitless.generation import decode_step
 
-        rotary, fused = compiled._fused_rotary, []
-        monkeypatch.setattr(compiled, "_fused_rotary", lambda *a: fused.append(rotary(*a)) or fused[-1])
+        rotary, fused = decode_step._fused_rotary, []
+        monkeypatch.setattr(decode_step, "_fused_rotary", lambda *a: fused.append(rotary(*a)) or fused[-1])
         out = CompiledSampler(compile=False, decode_attention="split_k")(model, prompts, **dict(kw, max_new_tokens=4))
         assert out.completion_tokens.tolist() == [w[:4] for w in want]
         assert fused and all(spec is not None for spec in fused)

@@ -249,7 +249,7 @@ def test_one_pass_cross_entropy_at_many_chunks_within_plain_pytorch(monkeypatch)
 
 def test_kernels_round_bf16_to_nearest_even():
     """The kernels' fp32 -> bf16 stores round as torch (and the GPU) do; under the interpreter this
-    checks ``tests/ops/conftest.py``'s conversion, which every bf16 accuracy test above relies on."""
+    checks ``tests/conftest.py``'s conversion, which every bf16 accuracy test above relies on."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
 

@@ -353,3 +353,61 @@ def test_dw_gemm_refuses_a_row_stride_tma_cannot_read(dtype):
     with pytest.raises(ValueError, match=r"dw_accumulate: dl of shape \(37, 75\), strides \(75, 1\)"):
         gemm_epilogues.dw_accumulate(dw, dl, h, accumulate=False)
     assert (dw == 0).all()
+
+
+def test_gemm_backend_argument_chooses_the_gemms_over_the_knob(monkeypatch, launches):
+    """``gemm_backend`` of the ops and of the loss components picks the GEMMs of that call, whatever
+    LOGITLESS_HEAD_GEMM says (the knob is only the default), forward and backward alike."""
+    from logitless.losses import LinearCrossEntropyLoss, TokenLogProbs
+    from logitless.modules import HeadInput
+
+    hidden, weight, labels = _inputs(29, 16, 129, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    g1, g2 = torch.randn(29, generator=g), torch.randn(29, generator=g)
+
+    def run(gemm_backend):
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        logp, ent = logitless.linear_log_probs(h, w, labels, impl="triton", gemm_backend=gemm_backend)
+        ((logp * g1).sum() + (ent * g2).sum()).backward()
+        loss = LinearCrossEntropyLoss(impl="triton", gemm_backend=gemm_backend)(HeadInput(h, w), labels)
+        loss.backward()
+        lp, _ = TokenLogProbs(impl="triton", gemm_backend=gemm_backend)(HeadInput(h.detach(), w.detach()),
+                                                                       labels)
+        return logp.detach(), ent.detach(), loss.detach(), lp, h.grad, w.grad
+
+    monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "cublas")
+    via_argument = run("triton")
+    assert all(launches[k] > 0 for k in KERNELS), dict(launches)
+    launches.clear()
+    monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "triton")
+    via_knob = run(None)
+    assert all(launches[k] > 0 for k in KERNELS), dict(launches)
+    launches.clear()
+    on_cublas = run("cublas")
+    assert sum(launches.values()) == 0  # the argument wins over the knob
+    for a, b in zip(via_argument, via_knob):
+        assert torch.equal(a, b)  # the same kernels, the same bits
+    for a, b in zip(via_argument, on_cublas):
+        assert _rel(a, b) < 1e-5
+
+
+def test_gemm_backend_reaches_the_token_objective(monkeypatch):
+    """The fused objective computes its gradients in its forward, inside the call's backend: the GEMM
+    choices its one pass makes see the argument, not the setting, which is left as it was."""
+    from logitless.ops import quack_head
+
+    seen = []
+    monkeypatch.setattr(quack_head, "outputs_apply", lambda hidden, weight, mode: seen.append(mode) or False)
+    hidden, weight, labels = _inputs(23, 16, 129, torch.float32, seed=9)
+    adv = torch.randn(23, generator=torch.Generator().manual_seed(10)).to(DEV)
+    objective = lambda lp, ent, rows: -(adv[rows] * lp).sum()  # noqa: E731
+    monkeypatch.setenv("LOGITLESS_HEAD_GEMM", "auto")
+    for backend, expected in (("cublas", "cublas"), (None, "auto")):
+        seen.clear()
+        h = hidden.detach().clone().requires_grad_()
+        loss, _, _ = logitless.ops.linear_token_objective(h, weight, labels, objective, impl="triton",
+                                                          gemm_backend=backend)
+        loss.backward()
+        assert seen and set(seen) == {expected}, (backend, seen)
+    assert settings.head_gemm == "auto"  # the call's backend does not leak into the setting

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import logitless
 
@@ -159,19 +160,42 @@ def test_triton_entries_check_shapes_and_temperature():
                                  need_entropy=False)
 
 
-def test_deprecated_impl_torch_warns_and_is_the_reference_impl():
+def test_impl_torch_removed_in_0_2_0_is_refused_and_reference_is_plain_pytorch():
     from logitless.losses import LinearCrossEntropyLoss
 
-    # "torch" was the name of the plain-PyTorch impl (ops/reference.py); it still runs that code.
+    # "torch" was the former name of the plain-PyTorch impl (ops/reference.py), now "reference"
     torch.manual_seed(0)
     h, w = torch.randn(6, H, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64)
     y = torch.randint(0, V, (6,))
-    with pytest.warns(FutureWarning, match=r"impl='torch' is deprecated; use impl='reference'"):
-        old = logitless.linear_cross_entropy(h, w, y, impl="torch")
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'chunked', 'reference'\), "
+                                         r"got 'torch'"):
+        logitless.linear_cross_entropy(h, w, y, impl="torch")
     want = torch.nn.functional.cross_entropy(h @ w.T, y)
-    assert torch.allclose(old, want, rtol=1e-12)
     assert torch.allclose(logitless.linear_cross_entropy(h, w, y, impl="reference"), want, rtol=1e-12)
-    with pytest.warns(FutureWarning, match="impl='torch' is deprecated"):
+    with pytest.raises(ValueError, match="impl must be one of .*got 'torch'"):
         LinearCrossEntropyLoss(impl="torch")
     with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'chunked', 'reference'\), got 'pytorch'"):
         logitless.linear_cross_entropy(h, w, y, impl="pytorch")
+
+
+def test_a_bad_gemm_backend_is_named_before_any_compute_in_the_ops_and_the_losses():
+    from torchtune import config as tune_config
+
+    from logitless.losses import EntropyWithChunkedOutputLoss, GRPOLoss, LinearCrossEntropyLoss, TokenLogProbs
+
+    h, w, y = torch.randn(4, H), torch.randn(V, H), torch.randint(0, V, (4,))
+    expected = r"gemm_backend must be None \(the LOGITLESS_HEAD_GEMM setting\) or one of \('cublas', 'triton', " \
+               r"'quack', 'auto'\), got 'cutlass'"
+    for call in (lambda: logitless.linear_cross_entropy(h, w, y, gemm_backend="cutlass"),
+                 lambda: logitless.linear_log_probs(h, w, y, gemm_backend="cutlass"),
+                 lambda: logitless.ops.linear_token_objective(h, w, y, lambda lp, ent, rows: lp.sum(),
+                                                              gemm_backend="cutlass")):
+        with pytest.raises(ValueError, match=expected):
+            call()
+    for loss in (LinearCrossEntropyLoss, EntropyWithChunkedOutputLoss, GRPOLoss, TokenLogProbs):
+        with pytest.raises(ValueError, match=expected):
+            loss(gemm_backend="cutlass")
+    # a YAML key of the loss: loss.gemm_backend
+    node = OmegaConf.create({"_component_": "logitless.losses.LinearCrossEntropyLoss", "gemm_backend": "cublas"})
+    assert tune_config.instantiate(node).gemm_backend == "cublas"
+    assert LinearCrossEntropyLoss().gemm_backend is None  # None: the LOGITLESS_HEAD_GEMM setting

@@ -8,7 +8,7 @@ import torch
 
 from logitless.rl.dynamic_sampling import (GroupFill, ScoredRollout, concat_rollouts, groups_with_spread,
                                            micro_batch_size_for, take_groups)
-from logitless.rl.rollout import Rollout
+from logitless.generation import Rollout
 from logitless.training.distributed import Runtime
 
 PAD = 0

@@ -52,5 +52,5 @@ def test_a_dataset_column_named_completion_ids_is_refused():
 
     rows = [{"prompt_tokens": [1, 2], "prompt": "1+1=", "completion_ids": [3]}]
     with pytest.raises(ConfigError, match="config key 'dataset': its rows have a column 'completion_ids'"):
-        fit_prompts(rows, "dataset", OmegaConf.create({"on_too_long": "drop"}), max_seq_len=16, max_new_tokens=4,
-                    log=False)
+        fit_prompts(rows, "dataset", OmegaConf.create({"on_too_long": "drop"}), rewards=(), max_seq_len=16,
+                    max_new_tokens=4, log=False)

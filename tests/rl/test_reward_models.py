@@ -67,7 +67,7 @@ def test_bad_arguments_are_named(reward_model_dir, kwargs, match):
         SequenceClassifierReward(**{"path": str(reward_model_dir), **kwargs})
     entry = {"function": {"_component_": "logitless.rl.reward_models.SequenceClassifierReward",
                           "path": str(reward_model_dir), **kwargs}}
-    with pytest.raises(ValueError, match=r"rewards\[0\]\.function=.*cannot be built"):
+    with pytest.raises(ValueError, match=r"config key 'rewards\[0\]\.function': .*cannot be built"):
         build_reward_specs([entry])
 
 

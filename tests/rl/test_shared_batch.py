@@ -11,7 +11,7 @@ import torch
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
-from logitless.rl.rollout.eager import generate
+from logitless.generation.eager import generate
 from logitless.rl.reference import ReferencePolicy
 from logitless.rl.shared_batch import (AUTO_MAX_PACKED_SDPA, flex_available, packed_length, packing_attention,
                                        shared_batch, training_batch, use_prompt_sharing)

@@ -12,7 +12,7 @@ from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
 from logitless.rl.reference import ReferencePolicy
-from logitless.rl.rollout.eager import generate
+from logitless.generation.eager import generate
 from logitless.rl.shared_batch import training_batch
 from logitless.rl.update import grpo_update
 
@@ -107,3 +107,46 @@ def test_one_turn_rollouts_are_labelled_as_before(multi_turn):
                            training_batch(all_sampled, prompt_sharing=sharing).head_labels)
     labels = policy_batch(single).head_labels
     assert torch.equal(labels != -100, single.completion_mask)
+
+
+def test_sampler_correction_weighs_and_measures_the_policy_tokens_only(multi_turn):
+    """The sampler-trainer importance weight and its metrics read the sampled tokens only: context
+    tokens carry a sampler log-prob far from the trainer's (-30: ratio e^30 if it were read), which
+    would move the loss (truncated to the cap) and every mismatch metric."""
+    base, rollout = multi_turn
+    own = rollout.completion_mask & rollout.sampled_mask
+    batch = policy_batch(rollout)
+    p = rollout.prompt_tokens.shape[1]
+    m64 = copy.deepcopy(base).double()
+    logits = m64(batch.tokens, mask=batch.mask, input_pos=batch.input_pos)[:, p - 1:-1] / TEMPERATURE
+    logp = torch.log_softmax(logits, -1).gather(-1, rollout.completion_tokens[..., None])[..., 0]
+    n, t = own.shape
+    offsets = torch.linspace(-1.5, 1.5, n * t, dtype=torch.float64).reshape(n, t)  # some ratios past the cap 3
+    sampler = torch.where(own, logp.detach() - offsets, torch.full_like(logp, -30.0))
+    adv = torch.linspace(-1.0, 1.5, n)
+    d = (logp.detach() - sampler)[own]
+    weight = torch.where(own, torch.clamp(torch.exp(logp.detach() - sampler), max=3.0), 0.0)
+    want = (-weight * torch.exp(logp - logp.detach()) * adv.double()[:, None])[own].sum() / own.sum()
+    want.backward()
+
+    model = copy.deepcopy(base)
+    grads = {}
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+            return super().step(closure)
+
+    loss_fn = GRPOLoss(loss_type="dapo", beta=0.0, temperature=TEMPERATURE, impl="chunked",
+                       sampler_correction=True, sampler_correction_mode="token_truncate",
+                       sampler_correction_clip_max=3.0)
+    out = grpo_update(model, loss_fn, Capture(model.parameters(), lr=0.0), training_batch(rollout, prompt_sharing=True),
+                      adv, micro_batch_size=G, sampler_log_probs=sampler.float())
+    assert out["loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-7)
+    assert out["sampling/logp_difference/mean"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
+    assert out["sampling/logp_difference/max"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+    assert out["sampling/ratio_outside_cap"] == pytest.approx(float((d.abs() > torch.log(torch.tensor(3.0))).double()
+                                                                    .mean()), rel=1e-6)
+    assert out["sampling/importance_sampling_ratio/max"] == pytest.approx(3.0)
+    for name, g in ((n, p.grad) for n, p in m64.named_parameters()):
+        torch.testing.assert_close(grads[name].double(), g, rtol=1e-4, atol=1e-6, msg=name)

@@ -95,7 +95,7 @@ def test_random_init_checkpoints_in_torchtune_format(tmp_path):
 def test_weights_sharing_one_storage_save_and_reload(tmp_path, hf):
     # The compiled sampler's fused_projections="shared" leaves each layer's q/k/v (and gate/up)
     # parameters as disjoint row slices of one buffer: both checkpoint formats must write each slice.
-    from logitless.rl.rollout.fused import FusedProjections
+    from logitless.generation.fused import FusedProjections
 
     mgr = CheckpointManager(_cfg() if hf else None, str(tmp_path))
     model = qwen2_5_tiny()

@@ -10,7 +10,7 @@ from logitless.losses import LinearCrossEntropyLoss, LossOutput
 from logitless.losses.grpo import GRPOLoss
 from logitless.models import qwen2_5_tiny
 from logitless.rl.batch import policy_batch
-from logitless.rl.rollout.eager import generate
+from logitless.generation.eager import generate
 from logitless.rl.update import grpo_update
 from logitless.training import CheckpointManager, SFTObjective, StepObjective, TrainStep
 from logitless.training.nonfinite import (NonFiniteGuard, NonFiniteStepsError, NonFiniteWeightsError,

@@ -164,6 +164,23 @@ def test_a_dataset_that_trains_nothing_is_an_error():
         fit_sft_dataset(ds, tokenizer=tok, model_max_seq_len=None, on_too_long="truncate")
 
 
+@pytest.mark.parametrize("limit", [-3, 0])
+def test_a_limit_below_one_is_an_error_not_a_run_that_trains_nothing(limit):
+    # tokenizer.max_seq_len=-3 cut every row from its end: the scan said "6 of 6 rows kept" and every
+    # step trained 0 tokens, exit 0
+    tok = _Tok(limit)
+    with pytest.raises(ConfigError, match=rf"config key 'tokenizer.max_seq_len': {limit} leaves no token to train on; "
+                                          r"expected null or an int >= 1"):
+        fit_sft_dataset(_Rows(tok, LENGTHS, PROMPTS), tokenizer=tok, model_max_seq_len=1024, on_too_long="truncate")
+
+
+def test_an_empty_dataset_is_an_error():
+    # every row filtered out by the builder (a filter_fn, a split with no rows)
+    tok = _Tok(None)
+    with pytest.raises(ConfigError, match=r"config key 'dataset': no row left to train on: dataset: 0 of 0 rows kept"):
+        fit_sft_dataset(_Rows(tok, [], []), tokenizer=tok, model_max_seq_len=1024, on_too_long="truncate")
+
+
 def test_tiny_alpaca_counts_match_an_independent_tokenisation():
     from logitless.datasets import tiny_alpaca_dataset, tiny_qwen2_5_tokenizer
 

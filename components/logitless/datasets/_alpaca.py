@@ -8,6 +8,7 @@ from torchtune.datasets import alpaca_dataset as _tt_alpaca_dataset
 from torchtune.modules.transforms.tokenizers import ModelTokenizer
 
 from logitless.datasets._assets import TINY_ALPACA_FILES
+from logitless.datasets._files import check_encoding, data_files_problem
 
 _ALPACA_FIELDS = ("instruction", "input", "output")
 _REQUIRED = ("instruction", "output")  # "input" may be empty or absent (torchtune treats it as optional)
@@ -35,10 +36,11 @@ def _check_rows(ds, column_map: Optional[Dict[str, str]], source: str) -> None:
         for i, v in enumerate(hf[col]):
             if v is None and key == "input":
                 continue
-            if not isinstance(v, str) or (key in _REQUIRED and not v):
+            # a whitespace-only output would train the model to answer with blanks
+            if not isinstance(v, str) or (key in _REQUIRED and not v.strip()):
                 raise ValueError(
                     f"alpaca dataset {source!r}: row {i} has field {col!r} = {v!r}; "
-                    f"expected a non-empty string" + ("" if key in _REQUIRED else " or null")
+                    f"expected a non-empty string" + (" (not whitespace only)" if key in _REQUIRED else " or null")
                 )
 
 
@@ -103,12 +105,22 @@ def alpaca_dataset(
     Example:
         >>> ds = alpaca_dataset(tok, source="json", data_files="my_rows.json")
     """
-    ds = _tt_alpaca_dataset(
-        _TrainOnEos(tokenizer) if train_on_eos else tokenizer, source=source, column_map=column_map, train_on_input=train_on_input,
-        packed=False, split=split, **load_dataset_kwargs,
-    )
+    where = str(load_dataset_kwargs.get("data_files", source))
+    check_encoding(source, load_dataset_kwargs.get("data_files"))  # bad bytes would load, and fail at a later read
+    try:
+        ds = _tt_alpaca_dataset(
+            _TrainOnEos(tokenizer) if train_on_eos else tokenizer, source=source, column_map=column_map,
+            train_on_input=train_on_input, packed=False, split=split, **load_dataset_kwargs,
+        )
+    except Exception as e:  # the loader's message names neither the file nor the row: find them
+        problem = data_files_problem(source, load_dataset_kwargs.get("data_files"))
+        if problem is None:
+            raise
+        raise ValueError(f"alpaca dataset: {problem}") from e
+    if len(ds) == 0:
+        raise ValueError(f"alpaca dataset {where!r} holds no rows; expected at least one")
     if check_rows:
-        _check_rows(ds, column_map, str(load_dataset_kwargs.get("data_files", source)))
+        _check_rows(ds, column_map, where)
     if packed:
         from torchtune.datasets import PackedDataset
 

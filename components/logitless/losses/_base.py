@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from logitless.modules import HeadInput, unwrap_compiled, wrap_output_head
+from logitless.ops import _validate
 
 ModelOutput = Union[HeadInput, torch.Tensor, Sequence[torch.Tensor]]
 Count = Union[int, torch.Tensor]
@@ -103,6 +104,19 @@ class HeadLoss(nn.Module):
         inner.set_output_mode(self.output_mode, self.num_output_chunks)
         return model
 
+    def set_head_options(self, *, impl: str, temperature: float, chunk_size: Optional[int],
+                         gemm_backend: Optional[str]) -> None:
+        """Checks and keeps what every head-op call of the loss takes, before any compute.
+
+        Raises:
+            ValueError: naming the argument, its value and what was expected.
+        """
+        _validate.check_impl(impl)
+        _validate.check_temperature(temperature)
+        _validate.check_chunk_size(chunk_size)
+        _validate.check_gemm_backend(gemm_backend)
+        self.impl, self.temperature, self.chunk_size, self.gemm_backend = impl, temperature, chunk_size, gemm_backend
+
 
 class StepLoss(HeadLoss, abc.ABC):
     """The loss contract of the training engine: counts, then shares normalised by global counts.
@@ -181,6 +195,12 @@ class TokenMeanLoss(StepLoss):
         tokens = self.loss_units(labels, **inputs).tokens
         share = float(tokens) / max(int(total.tokens), 1)
         return LossOutput(self.token_mean(outputs, labels) * share, {})
+
+
+def check_num_output_chunks(num_output_chunks: int) -> None:
+    """Raises ValueError unless ``num_output_chunks`` (chunks of a logit-list output) is an int >= 1."""
+    if isinstance(num_output_chunks, bool) or not isinstance(num_output_chunks, int) or num_output_chunks < 1:
+        raise ValueError(f"num_output_chunks must be an int >= 1, got {num_output_chunks!r}")
 
 
 def as_head_input(outputs: ModelOutput, loss_name: str) -> HeadInput:

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from logitless.losses._base import ModelOutput, TokenMeanLoss, as_head_input, label_chunks, logit_chunks
+from logitless.losses._base import (ModelOutput, TokenMeanLoss, as_head_input, check_num_output_chunks, label_chunks,
+                                     logit_chunks)
 from logitless.modules import HeadInput
 from logitless.ops import _validate, linear_cross_entropy
 
@@ -54,6 +55,7 @@ class CEWithChunkedOutputLoss(TokenMeanLoss):
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_num_output_chunks(num_output_chunks)
         _validate.check_chunk_size(chunk_size)
         self.num_output_chunks = num_output_chunks
         self.ignore_index = ignore_index
@@ -102,6 +104,9 @@ class LinearCrossEntropyLoss(TokenMeanLoss):
         reduction (str): ``"mean"`` over non-ignored tokens or ``"sum"``. Default ``"mean"``.
         temperature (float): divides the logits. Default 1.0.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+        gemm_backend (Optional[str]): the head's GEMMs under ``impl="triton"`` (``"auto"`` |
+            ``"cublas"`` | ``"quack"`` | ``"triton"``); None = ``LOGITLESS_HEAD_GEMM``. YAML:
+            ``loss.gemm_backend``.
         num_output_chunks (Optional[int]): accepted and ignored, so that a config written for
             ``CEWithChunkedOutputLoss`` switches to this loss with the single override
             ``loss._component_=logitless.losses.LinearCrossEntropyLoss``; the fused head sizes its
@@ -120,17 +125,15 @@ class LinearCrossEntropyLoss(TokenMeanLoss):
         reduction: str = "mean",
         temperature: float = 1.0,
         chunk_size: Optional[int] = None,
+        gemm_backend: Optional[str] = None,
         num_output_chunks: Optional[int] = None,
     ):
         super().__init__()
         del num_output_chunks  # see the docstring: config compatibility only
-        impl = _validate.canonical_impl(impl)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        _validate.check_temperature(temperature)
-        _validate.check_chunk_size(chunk_size)
-        self.impl, self.ignore_index, self.reduction = impl, ignore_index, reduction
-        self.temperature, self.chunk_size = temperature, chunk_size
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
+        self.ignore_index, self.reduction = ignore_index, reduction
 
     def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """
@@ -152,5 +155,5 @@ class LinearCrossEntropyLoss(TokenMeanLoss):
         return linear_cross_entropy(
             head.hidden, head.weight, labels, ignore_index=self.ignore_index,
             reduction=reduction, temperature=self.temperature, impl=self.impl,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_size, gemm_backend=self.gemm_backend,
         )

@@ -4,9 +4,9 @@ from typing import Optional
 
 import torch
 
-from logitless.losses._base import ModelOutput, TokenMeanLoss, label_chunks, logit_chunks
+from logitless.losses._base import ModelOutput, TokenMeanLoss, check_num_output_chunks, label_chunks, logit_chunks
 from logitless.modules import HeadInput
-from logitless.ops import _validate, linear_log_probs
+from logitless.ops import linear_log_probs
 
 
 class EntropyWithChunkedOutputLoss(TokenMeanLoss):
@@ -25,6 +25,9 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
         temperature (float): divides the logits. Default 1.0.
         impl (str): head op implementation on the hidden-state path. Default ``"chunked"``.
         chunk_size (Optional[int]): rows per chunk.
+        gemm_backend (Optional[str]): the head's GEMMs under ``impl="triton"`` (``"auto"`` |
+            ``"cublas"`` | ``"quack"`` | ``"triton"``); None = ``LOGITLESS_HEAD_GEMM``. YAML:
+            ``loss.gemm_backend``.
 
     Example:
         >>> ent_fn = EntropyWithChunkedOutputLoss()
@@ -39,12 +42,12 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
         temperature: float = 1.0,
         impl: str = "chunked",
         chunk_size: Optional[int] = None,
+        gemm_backend: Optional[str] = None,
     ):
         super().__init__()
-        _validate.check_temperature(temperature)
-        impl = _validate.canonical_impl(impl)
+        check_num_output_chunks(num_output_chunks)
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
-        self.temperature, self.impl, self.chunk_size = temperature, impl, chunk_size
 
     def forward(self, outputs: ModelOutput, labels: torch.Tensor) -> torch.Tensor:
         """
@@ -66,6 +69,7 @@ class EntropyWithChunkedOutputLoss(TokenMeanLoss):
             _, ent = linear_log_probs(
                 outputs.hidden, outputs.weight, mask_labels, ignore_index=self.ignore_index,
                 temperature=self.temperature, impl=self.impl, chunk_size=self.chunk_size,
+                gemm_backend=self.gemm_backend,
             )
             return ent.sum() / count
         chunks = logit_chunks(outputs)

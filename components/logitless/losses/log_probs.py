@@ -6,7 +6,7 @@ import torch
 
 from logitless.losses._base import HeadLoss, ModelOutput, label_chunks, logit_chunks
 from logitless.modules import HeadInput
-from logitless.ops import _validate, linear_log_probs
+from logitless.ops import linear_log_probs
 
 
 class TokenLogProbs(HeadLoss):
@@ -22,6 +22,9 @@ class TokenLogProbs(HeadLoss):
         impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``. Default ``"auto"``.
         ignore_index (int): label of positions to skip. Default -100.
         chunk_size (Optional[int]): rows per chunk for ``impl="chunked"``.
+        gemm_backend (Optional[str]): the head's GEMMs under ``impl="triton"`` (``"auto"`` |
+            ``"cublas"`` | ``"quack"`` | ``"triton"``); None = ``LOGITLESS_HEAD_GEMM``. YAML:
+            ``loss.gemm_backend``.
 
     Example:
         >>> logprobs_fn = TokenLogProbs(temperature=0.7)
@@ -36,12 +39,11 @@ class TokenLogProbs(HeadLoss):
         impl: str = "auto",
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
+        gemm_backend: Optional[str] = None,
     ):
         super().__init__()
-        _validate.check_temperature(temperature)
-        impl = _validate.canonical_impl(impl)
-        self.temperature, self.return_entropy, self.impl = temperature, return_entropy, impl
-        self.ignore_index, self.chunk_size = ignore_index, chunk_size
+        self.set_head_options(impl=impl, temperature=temperature, chunk_size=chunk_size, gemm_backend=gemm_backend)
+        self.return_entropy, self.ignore_index = return_entropy, ignore_index
 
     def forward(
         self, outputs: ModelOutput, labels: torch.Tensor
@@ -58,7 +60,7 @@ class TokenLogProbs(HeadLoss):
             return linear_log_probs(
                 outputs.hidden, outputs.weight, labels, ignore_index=self.ignore_index,
                 temperature=self.temperature, return_entropy=self.return_entropy,
-                impl=self.impl, chunk_size=self.chunk_size,
+                impl=self.impl, chunk_size=self.chunk_size, gemm_backend=self.gemm_backend,
             )
         chunks = logit_chunks(outputs)
         logps, ents = [], []

@@ -1,6 +1,7 @@
 """What touches the model: the output-head wrapper, the label shift, prompt sharing and its cascade attention,
 and the attention variant torchtune 0.6.1 lacks (per-head q/k norms before the rotary embedding)."""
 
+# Public: __all__ (docs/CONTRACT.md). The other names are internal, imported here for the recipes and tests.
 from logitless.modules.attention import QKNormAttention
 from logitless.modules.cascade_attention import (
     CascadeLayout,
@@ -18,20 +19,4 @@ from logitless.modules.prompt_sharing import (
 )
 from logitless.modules.unwrap import unwrap_compiled
 
-__all__ = [
-    "CascadeLayout",
-    "HeadInput",
-    "OUTPUT_MODES",
-    "QKNormAttention",
-    "SharedPromptBatch",
-    "cascade_attention",
-    "cascade_layout",
-    "completion_rows",
-    "enable_cascade_attention",
-    "gather_predicting_rows",
-    "head_weight",
-    "pack_groups",
-    "shift_labels",
-    "unwrap_compiled",
-    "wrap_output_head",
-]
+__all__ = ["HeadInput", "head_weight", "shift_labels", "wrap_output_head"]

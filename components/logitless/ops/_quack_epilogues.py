@@ -18,6 +18,8 @@ Two epilogues:
   :func:`logitless.ops.triton.kernels.label_dlogits_kernel`).
 """
 
+import functools
+import math
 from typing import Optional
 
 import cutlass
@@ -30,7 +32,7 @@ from quack.epilogue.ops import ColVecLoad, ColVecReduce, ColVecSelect, GroupedCo
 from quack.gemm_config import GemmConfig
 from quack.gemm_interface import gemm_tuned
 
-from logitless.ops.quack_head import _LOG2E, TILE_N_CHOICES
+_LOG2E = math.log2(math.e)
 
 _LABEL = ColVecLoad("target")
 
@@ -128,9 +130,11 @@ def _rounded_tile_lse_stats(acc, tile_max, log2e_over_t):
     return {"D": acc, "sum_exp": e, "target_acc": a}
 
 
-_CONFIGS = {tile_n: GemmConfig(tile_m=128, tile_n=tile_n, cluster_m=2, cluster_n=1, pingpong=tile_n <= 208,
-                               is_dynamic_persistent=False)
-            for tile_n in TILE_N_CHOICES}
+@functools.cache
+def _config(tile_n: int) -> GemmConfig:
+    # one config per N tile the caller chose (quack_head.stats_tile_n)
+    return GemmConfig(tile_m=128, tile_n=tile_n, cluster_m=2, cluster_n=1, pingpong=tile_n <= 208,
+                      is_dynamic_persistent=False)
 
 
 def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, log2e_over_t: float,
@@ -162,7 +166,7 @@ def tile_entropy_stats(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     sums = {"sum_exp": sum_exp} if sum_exp_x is None else {"sum_exp": sum_exp, "sum_exp_x": sum_exp_x}
     epilogue = _rounded_tile_lse_stats if sum_exp_x is None else \
         _rounded_tile_entropy_stats if round_logits else _tile_entropy_stats
-    epilogue(hidden, weight.mT, **store, config=_CONFIGS[tile_n], tile_max=tile_n, tile_max_out=tile_max, **sums,
+    epilogue(hidden, weight.mT, **store, config=_config(tile_n), tile_max=tile_n, tile_max_out=tile_max, **sums,
              target=labels, target_acc=target_acc, log2e_over_t=log2e_over_t)
 
 
@@ -205,7 +209,7 @@ def slab_dlogits(hidden: torch.Tensor, weight_slab: torch.Tensor, out: torch.Ten
 
 
 #: The one pass's dW GEMMs (M = V, N = H, K = chunk rows): the fastest of four tile shapes on an H200
-#: at the 7B and 0.5B heads (``benchmarks/probe_quack_ce_gemms.py``, ``quack_ce_gemms_h200.csv``).
+#: at the 7B and 0.5B heads (``experiments/probe_quack_ce_gemms.py``, ``quack_ce_gemms_h200.csv``).
 _DW_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, pingpong=True, is_dynamic_persistent=False)
 
 

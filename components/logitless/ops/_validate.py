@@ -5,15 +5,14 @@ value received and what was expected, so a bad call never reaches a kernel (wher
 label would be a device-side assert, or silently wrong).
 """
 
-import warnings
 from typing import Optional
 
 import torch
 
+from logitless.settings import HEAD_GEMM_BACKENDS
+
 #: ``impl`` names, each the module it selects: ops/triton/, ops/chunked.py, ops/reference.py.
 IMPLS = ("auto", "triton", "chunked", "reference")
-#: Older names still accepted, with a FutureWarning: old name -> current name.
-DEPRECATED_IMPLS = {"torch": "reference"}
 REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -27,19 +26,16 @@ MAX_TEMPERATURE = 1e4
 
 
 def check_impl(impl: str) -> None:
-    if impl not in IMPLS and impl not in DEPRECATED_IMPLS:
+    if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def canonical_impl(impl: str) -> str:
-    """``impl`` checked, with a deprecated name replaced by its current one (and a FutureWarning)."""
-    check_impl(impl)
-    if impl in DEPRECATED_IMPLS:
-        new = DEPRECATED_IMPLS[impl]
-        warnings.warn(f"impl={impl!r} is deprecated; use impl={new!r} (the same plain-PyTorch "
-                      f"implementation, logitless/ops/{new}.py)", FutureWarning, stacklevel=3)
-        return new
-    return impl
+def check_gemm_backend(gemm_backend: Optional[str]) -> None:
+    """``gemm_backend`` of the head ops and losses: None (the ``LOGITLESS_HEAD_GEMM`` setting) or one
+    of :data:`~logitless.settings.HEAD_GEMM_BACKENDS`."""
+    if gemm_backend is not None and gemm_backend not in HEAD_GEMM_BACKENDS:
+        raise ValueError(f"gemm_backend must be None (the LOGITLESS_HEAD_GEMM setting) or one of "
+                         f"{HEAD_GEMM_BACKENDS}, got {gemm_backend!r}")
 
 
 def check_reduction(reduction: str) -> None:
@@ -48,7 +44,7 @@ def check_reduction(reduction: str) -> None:
 
 
 def check_temperature(temperature: float) -> None:
-    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, (torch.Tensor, bool)) or not isinstance(temperature, (int, float)):
         raise ValueError(
             f"temperature must be a positive Python float, got {type(temperature).__name__} "
             f"{temperature!r}"

@@ -326,9 +326,10 @@ class _LinearTokenObjective(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        logp_all = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        ent_all = torch.zeros(n, dtype=torch.float32, device=hidden.device) if need_entropy else None
+        # The objective sees fp32 log-probs (float64 for float64 inputs, as linear_log_probs returns).
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        logp_all = torch.zeros(n, dtype=acc, device=hidden.device)
+        ent_all = torch.zeros(n, dtype=acc, device=hidden.device) if need_entropy else None
         # The objective sees non-ignored rows only, named by their row index (as in the Triton head,
         # which compacts ignored rows away); the chunk bounds in that index list cost one host sync.
         idx_all = torch.nonzero(valid_all).squeeze(1)
@@ -346,8 +347,8 @@ class _LinearTokenObjective(torch.autograd.Function):
             logp_acc, ent_acc, m, log_s = ep.stats(z, safe, v, need_entropy, temperature=temperature)
             if ep.in_place:  # z holds log q now
                 m = log_s = None
-            logp = logp_acc.float()
-            ent = ent_acc.float() if need_entropy else None
+            logp = logp_acc.to(acc)
+            ent = ent_acc.to(acc) if need_entropy else None
             local = rows - start
             with torch.enable_grad():
                 lp_leaf = logp[local].requires_grad_()
@@ -356,8 +357,8 @@ class _LinearTokenObjective(torch.autograd.Function):
                 leaves = [lp_leaf] + ([ent_leaf] if need_entropy else [])
                 grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * len(leaves)
             # Back onto the chunk's rows (ignored rows get no gradient).
-            grads = [None if g is None else torch.zeros_like(logp).index_copy_(0, local, g.float()) for g in grads]
-            total = total + value.detach().float()
+            grads = [None if g is None else torch.zeros_like(logp).index_copy_(0, local, g.to(acc)) for g in grads]
+            total = total + value.detach().to(acc)
             logp_all[start:stop] = logp
             if need_entropy:
                 ent_all[start:stop] = ent
@@ -403,8 +404,9 @@ def linear_token_objective(
         labels (torch.Tensor): ``(N,)``; ignored positions get ``logp = H = 0`` and no gradient.
         token_objective (Callable): ``f(logp, ent, rows) -> scalar``: the summed objective of the
             rows ``rows`` (a 1-D int64 tensor of indices into the ``N`` rows: non-ignored rows
-            only, each passed exactly once over all calls) given their fp32 log-probs and
-            entropies of shape ``(len(rows),)`` (``ent`` is None unless ``need_entropy``). It must
+            only, each passed exactly once over all calls) given their fp32 (float64 for float64
+            inputs) log-probs and entropies of shape ``(len(rows),)`` (``ent`` is None unless
+            ``need_entropy``). It must
             be a sum of per-token terms, in differentiable torch code; per-row constants
             (advantages, old/reference log-probs, weights) are gathered by it as ``const[rows]``.
         ignore_index (int): label of rows without a term.
@@ -415,7 +417,7 @@ def linear_token_objective(
     Returns:
         Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: the fp32 scalar objective
         (differentiable w.r.t. ``hidden`` and ``weight`` for a scalar upstream), and the detached fp32
-        ``(N,)`` log-probs and entropies (for metrics).
+        ``(N,)`` log-probs and entropies (for metrics); float64 for float64 inputs.
 
     Example:
         >>> adv = torch.randn(5)

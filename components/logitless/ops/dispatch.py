@@ -1,16 +1,13 @@
 """The public head ops: validate once, pick an implementation, flatten, call it, reshape back."""
 
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
 
+from logitless._platform import triton_interpreting
 from logitless.ops import _validate, chunked, reference
 from logitless.ops.row_objective import RowObjective
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from logitless.settings import settings
 
 
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -21,18 +18,24 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype = torch.flo
     ``"triton"`` on a CPU tensor is an error unless ``TRITON_INTERPRET=1`` (how CI runs the kernels).
 
     Args:
-        impl (str): ``"auto" | "triton" | "chunked" | "reference"`` (``"reference"``: the deprecated
-            name of ``"reference"``).
+        impl (str): ``"auto" | "triton" | "chunked" | "reference"``.
         device (torch.device): where the inputs live.
         dtype (torch.dtype): the inputs' dtype.
 
     Returns:
         str: ``"triton" | "chunked" | "reference"``.
+
+    Raises:
+        ValueError: an unknown ``impl``, or ``"triton"`` on tensors it cannot run on.
+
+    Example:
+        >>> resolve_impl("auto", torch.device("cpu"))
+        'chunked'
     """
-    impl = _validate.canonical_impl(impl)
+    _validate.check_impl(impl)
     if impl == "auto":
         return "triton" if device.type == "cuda" and dtype != torch.float64 else "chunked"
-    if impl == "triton" and device.type != "cuda" and not _interpreting():
+    if impl == "triton" and device.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter), "
             f"got tensors on {device}; use impl='chunked' or 'auto' on the CPU"
@@ -57,6 +60,7 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``softmax(hidden @ weight.T / temperature)`` without materialising the logits.
 
@@ -70,6 +74,10 @@ def linear_cross_entropy(
         temperature (float): divides the logits before the softmax. Default 1.0.
         impl (str): ``"auto"`` (triton on CUDA, else chunked), ``"triton"``, ``"chunked"``, ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"`` (default: a 1 GiB budget).
+        gemm_backend (Optional[str]): the GEMMs of ``impl="triton"``: ``"auto"`` (QuACK where it
+            applies and is installed, else cuBLAS), ``"cublas"``, ``"quack"`` or ``"triton"`` (opt-in
+            Triton GEMMs with the softmax work in their epilogues); None = ``LOGITLESS_HEAD_GEMM``
+            (default ``"auto"``). The other implementations run their own GEMMs.
 
     Returns:
         torch.Tensor: fp32 scalar, or fp32 ``labels.shape`` for ``reduction="none"``.
@@ -86,6 +94,7 @@ def linear_cross_entropy(
     _validate.check_reduction(reduction)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
@@ -97,7 +106,7 @@ def linear_cross_entropy(
     if impl == "triton":
         loss = _triton().linear_cross_entropy(
             h2d, weight, y1d, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
-            n_valid=n_valid,
+            n_valid=n_valid, gemm_backend=gemm_backend,
         )
     else:
         loss = chunked.linear_cross_entropy(
@@ -117,6 +126,7 @@ def linear_log_probs(
     return_entropy: bool = True,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token ``log softmax(hidden @ weight.T / temperature)[label]`` and the entropy.
 
@@ -132,6 +142,7 @@ def linear_log_probs(
         return_entropy (bool): also return the entropy; ``None`` otherwise. Default True.
         impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"``.
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
+        gemm_backend (Optional[str]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: fp32 log-probs and entropy of ``labels.shape``.
@@ -143,6 +154,7 @@ def linear_log_probs(
     """
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
@@ -154,7 +166,7 @@ def linear_log_probs(
     if impl == "triton":
         logp, ent = _triton().linear_log_probs(
             h2d, weight, y1d, ignore_index=ignore_index, temperature=temperature,
-            return_entropy=return_entropy, n_valid=n_valid,
+            return_entropy=return_entropy, n_valid=n_valid, gemm_backend=gemm_backend,
         )
     else:
         logp, ent = chunked.linear_log_probs(
@@ -175,6 +187,7 @@ def linear_token_objective(
     need_entropy: bool = False,
     impl: str = "auto",
     chunk_size: Optional[int] = None,
+    gemm_backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A sum of per-token terms of (log-prob, entropy), with its gradients computed in the forward.
 
@@ -195,8 +208,8 @@ def linear_token_objective(
         token_objective (Callable): ``f(logp, ent, rows) -> scalar tensor``: ``rows`` a 1-D int64
             tensor of indices into the flattened ``labels`` (``labels.reshape(-1)``), non-ignored
             rows only, each row in exactly one call; ``logp``/``ent`` their log-probs and
-            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` impl on float64
-            inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
+            entropies, shape ``(len(rows),)``, fp32 (float64 for the ``"reference"`` and
+            ``"chunked"`` impls on float64 inputs; ``ent`` is None unless ``need_entropy``). Written in differentiable torch ops;
             constants are gathered as ``const.reshape(-1)[rows]``. A
             :class:`~logitless.ops.RowObjective` names its constants instead, which lets the
             ``"triton"`` head on CUDA replay one captured graph of it across calls.
@@ -206,6 +219,7 @@ def linear_token_objective(
         impl (str): ``"auto"``, ``"triton"``, ``"chunked"`` or ``"reference"`` (reference log-probs and
             the objective through plain autograd).
         chunk_size (Optional[int]): rows per chunk for ``"chunked"``.
+        gemm_backend (Optional[str]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]: the scalar objective
@@ -228,6 +242,7 @@ def linear_token_objective(
     _validate.check_token_objective(token_objective, need_entropy)
     _validate.check_temperature(temperature)
     _validate.check_chunk_size(chunk_size)
+    _validate.check_gemm_backend(gemm_backend)
     n_valid = _validate.check_head_inputs(hidden, weight, labels, ignore_index=ignore_index)
     if isinstance(token_objective, RowObjective):
         token_objective.check_rows(labels.numel(), hidden.device)
@@ -243,10 +258,13 @@ def linear_token_objective(
         return value, logp.detach(), (ent.detach() if need_entropy else None)
     h2d, y1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if impl == "triton":
-        value, logp, ent = _triton().linear_token_objective(
-            h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,
-            need_entropy=need_entropy, n_valid=n_valid,
-        )
+        triton_ops = _triton()
+        # the objective's gradients are computed in its forward: the backend set for the call covers them
+        with settings.override(head_gemm=triton_ops.functional.resolve_gemm_backend(gemm_backend)):
+            value, logp, ent = triton_ops.linear_token_objective(
+                h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,
+                need_entropy=need_entropy, n_valid=n_valid,
+            )
     else:
         value, logp, ent = chunked.linear_token_objective(
             h2d, weight, y1d, token_objective, ignore_index=ignore_index, temperature=temperature,

@@ -1,23 +1,17 @@
-"""GRPO parts: sampling with a KV cache, rewards, group advantages, the policy update, and the set-up
-and evaluation pieces of the GRPO recipes (config, prompts, policy sampler; the loop is in ``recipes/``).
+"""GRPO parts: rewards, group advantages, the policy update, and the set-up and evaluation pieces of
+the GRPO recipes (config, prompts; the loop is in ``recipes/``, sampling in :mod:`logitless.generation`).
+
+Public: the rewards a config names (``rewards: [{function: ...}]``) and what scores them. The other
+modules (``advantages``, ``batch``, ``shared_batch``, ``update``, ...) are internal.
 
 Example:
-    >>> from logitless.rl import generate, policy_batch, group_advantages, compute_rewards
+    >>> from logitless.rl import build_reward_specs, compute_rewards
+    >>> specs = build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_correctness", "weight": 1.0}])
 """
 
-from logitless.rl.advantages import group_advantages
-from logitless.rl.batch import PolicyBatch, policy_batch, policy_forward
-from logitless.rl.reference import ReferencePolicy, build_reference
 from logitless.rl.rewards import (
     RewardError, RewardSpec, build_reward_specs, compute_rewards, gsm8k_correctness, gsm8k_format, math_correctness,
 )
-from logitless.rl.rollout import Rollout, generate, left_pad, sample_next
-from logitless.rl.shared_batch import SharedGroupBatch, shared_batch, training_batch
-from logitless.rl.update import grpo_update
 
-__all__ = [
-    "PolicyBatch", "ReferencePolicy", "RewardError", "RewardSpec", "Rollout", "SharedGroupBatch", "build_reference",
-    "build_reward_specs", "compute_rewards", "generate", "group_advantages", "grpo_update", "gsm8k_correctness",
-    "gsm8k_format", "left_pad", "math_correctness", "policy_batch", "policy_forward", "sample_next", "shared_batch",
-    "training_batch",
-]
+__all__ = ["RewardError", "RewardSpec", "build_reward_specs", "compute_rewards", "gsm8k_correctness", "gsm8k_format",
+           "math_correctness"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from logitless.modules import HeadInput, unwrap_compiled
-from logitless.rl.rollout.result import Rollout
+from logitless.generation.result import Rollout
 
 
 @dataclass
@@ -97,7 +97,7 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
     """Builds the training inputs of a rollout.
 
     Args:
-        rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`).
+        rollout (Rollout): from a sampler (:mod:`logitless.generation`).
         ignore_index (int): label of positions without a log-prob.
 
     Returns:

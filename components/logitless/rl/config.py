@@ -13,17 +13,20 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from logitless.generation.builder import build_sampler
+from logitless.generation.config import SamplerConfig
 from logitless.generation.tools.config import TURN_KEYS, check_turn_config
+from logitless.losses import GRPOLoss
 from logitless.rl.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, advantage_settings
-from logitless.rl.preflight import check_generation
+from logitless.rl.preflight import ON_MISSING_ANSWER
 from logitless.rl.reference import check_reference_sync
 from logitless.rl.rewards import build_reward_specs
-from logitless.rl.rollout import SAMPLER_KEYS, build_sampler
 from logitless.rl.shared_batch import ATTENTION_SETTINGS, PROMPT_SHARING, use_prompt_sharing
 from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
 from logitless.training.config import ConfigError, Key, validate_config
+from logitless.training.data_fingerprint import FINGERPRINT_KEY
 from logitless.training.distributed import FSDP_KEYS
-from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer
+from logitless.training.preflight import ON_TOO_LONG, check_components
 from logitless.training.resume import RESUME_KEYS, validate_resume_config
 from logitless.training.threads import CPU_THREADS_KEY, check_cpu_threads
 
@@ -104,15 +107,19 @@ GRPO_SCHEMA: Dict[str, Key] = {
     "eval_num_prompts": Key((int, None), default=None, min=1),
     "eval_batch_size": Key(int, default=64, min=1),
     "eval_reward": Key((str, None), default=None, doc="reward whose mean is eval accuracy (default: first)"),
+    "on_missing_answer": Key(str, default="drop", choices=ON_MISSING_ANSWER,
+                             doc="prompts whose answer (a column a reward function needs) is missing or empty: "
+                                 "drop them (counted in the log at start) or stop with an error naming the row"),
     "on_too_long": Key(str, default="drop", choices=ON_TOO_LONG,
                        doc="prompts with prompt + max_new_tokens > the model's max_seq_len: drop, keep their end "
                            "(truncate), or stop with an error; counts are logged at start"),
 }
-# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes;
+# data_fingerprint.dataset: the training data files' sizes and hashes (training.data_fingerprint).
 GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
                         "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
-                        "checkpointer.checkpoint_files", "checkpointer.model_type", "tools", "environment")
-_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", *SAMPLER_KEYS}
+                        "checkpointer.checkpoint_files", "checkpointer.model_type", f"{FINGERPRINT_KEY}.dataset",
+                        "tools", "environment")
 
 
 def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
@@ -143,13 +150,9 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     gen = cfg.generation
     if not isinstance(gen, DictConfig) or "max_new_tokens" not in gen:
         raise ConfigError(f"config key 'generation': expected a mapping with max_new_tokens, got {gen!r}")
-    unknown = set(gen.keys()) - _GEN_KEYS
-    if unknown:
-        raise ConfigError(f"config key 'generation.{sorted(unknown)[0]}': unknown; allowed {sorted(_GEN_KEYS)}")
-    check_generation(gen)
-    check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
+    sampler_config = SamplerConfig.from_config(gen)  # every generation key, named when it is bad
     check_cpu_threads(cfg.cpu_threads)
-    check_optimizer(cfg.optimizer)
+    check_components(cfg, loss_class=GRPOLoss)
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"config key 'prompts_per_step': {cfg.prompts_per_step} prompts cannot be split evenly "
                           f"over {world_size} ranks; expected a multiple of the world size {world_size}")
@@ -164,7 +167,7 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                            num_generations=cfg.num_generations)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    temp = float(gen.get("temperature", 1.0))
+    temp = float(sampler_config.temperature)
     loss_temp = float(cfg.loss.get("temperature", 1.0))
     if temp > 0 and not math.isclose(temp, loss_temp):
         raise ConfigError(f"config key 'loss.temperature': {loss_temp} differs from generation.temperature={temp}; "
@@ -173,15 +176,14 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     if cfg.prompt_sharing_attention == "flex" and (cfg.device == "cpu" or not torch.cuda.is_available()):
         raise ConfigError(f"config key 'prompt_sharing_attention': 'flex' needs a CUDA device (device={cfg.device!r}, "
                           f"CUDA available: {torch.cuda.is_available()}); use 'auto' (cascade)")
-    sampler_options = {k: gen[k] for k in SAMPLER_KEYS if k in gen}
     on_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     try:
-        build_sampler(sampler_options, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
+        build_sampler(sampler_config, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
                       cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
     if check_turn_config(cfg) is not None:
-        if sampler_options.get("backend", "auto") == "compiled":
+        if sampler_config.backend == "compiled":
             raise ConfigError("config key 'generation.backend': 'compiled' does not run tool or environment turns; "
                               "use eager or auto (tool turns always sample with the eager turn sampler)")
         if cfg.on_too_long == "truncate":

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from logitless.rl.rollout import Rollout
+from logitless.generation.result import Rollout
 from logitless.training.distributed import Runtime
 
 __all__ = ["GroupFill", "ScoredRollout", "concat_rollouts", "groups_with_spread", "micro_batch_size_for",

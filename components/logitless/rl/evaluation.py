@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from logitless.rl.policy_sampler import PolicySampler
+from logitless.generation.policy_sampler import PolicySampler
 from logitless.rl.rewards import RewardSpec, compute_rewards
 from logitless.training.distributed import Runtime
 

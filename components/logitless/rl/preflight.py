@@ -1,5 +1,12 @@
-"""GRPO checks that run before the model is built: the sampling settings of ``generation:`` and
-every prompt's length against the model's ``max_seq_len``.
+"""GRPO checks that run before the model is built: the dataset columns the rewards read, and every
+prompt's length against the model's ``max_seq_len`` (the ``generation:`` values are checked by
+:class:`~logitless.generation.config.SamplerConfig`).
+
+A reward function names the columns it needs as arguments (``math_correctness(prompts, completions,
+answer, **kwargs)``): a dataset without one fails here, not at the first step after the model build
+and the first generation. A prompt whose needed value is missing (None) or empty would score 0 on
+every completion with no word: :func:`check_reward_columns` counts them at start and
+``on_missing_answer`` drops them (counted in the log) or stops naming the first one.
 
 A prompt of P tokens is sampled into a sequence of P + ``max_new_tokens`` tokens; one that does
 not fit would fail at the first step that draws it (possibly many steps in). Here every prompt
@@ -8,85 +15,131 @@ keep its end (``truncate``, as ``PromptDataset``'s ``overflow="truncate"`` does)
 error naming the row.
 
 Example:
-    >>> check_generation(OmegaConf.create({"max_new_tokens": 0}))
-    Traceback (most recent call last):
-    ConfigError: config key 'generation.max_new_tokens': expected an int >= 1, got 0
+    >>> subset, report = fit_prompt_dataset(dataset, max_seq_len=512, max_new_tokens=64, on_too_long="drop")
+    >>> report.message()
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
-
-from logitless.ops._validate import MAX_TEMPERATURE, MIN_TEMPERATURE
+from logitless.rl.prompts import PROMPT_KEYS
+from logitless.rl.rewards import COMPLETION_IDS, RewardSpec, reward_columns
 from logitless.training.config import ConfigError
 from logitless.training.preflight import ON_TOO_LONG, RowSubset
 
+#: What a GRPO recipe does with a prompt whose answer (a column a reward needs) is missing or empty.
+ON_MISSING_ANSWER = ("drop", "error")
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+
+def _blank(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and not v.strip())
 
 
-def check_generation(gen: Any, key: str = "generation") -> None:
-    """Checks the values of a GRPO ``generation:`` mapping (sampling of the training rollouts).
+@dataclass
+class AnswerReport:
+    """What the answer check found, for the log at start.
 
-    ``temperature`` must lie in ``[1e-4, 1e4]`` (the log-prob ops' range: the loss uses the same
-    temperature). 0, which the sampler reads as greedy, is refused here: every completion of a
-    group would be the same, so every advantage would be 0 and nothing would be learnt (the
-    recipe's evaluation samples greedily by itself).
+    Attributes:
+        rows (int): prompts in the dataset.
+        kept (int): prompts sampled from.
+        missing (int): prompts with a needed column None or empty.
+        columns (Tuple[str, ...]): the columns the rewards need.
+        first (Optional[Tuple[int, str, Any]]): the first such prompt (row, column, value).
+        action (str): the ``on_missing_answer`` setting.
+    """
+
+    rows: int
+    kept: int
+    missing: int
+    columns: Tuple[str, ...]
+    first: Optional[Tuple[int, str, Any]]
+    action: str
+
+    def message(self, what: str = "dataset") -> str:
+        """One line for the log."""
+        if not self.missing:
+            return f"{what}: every prompt has a value for {list(self.columns)}"
+        i, col, v = self.first
+        return (f"{what}: {self.missing} of {self.rows} prompts have no value for a column a reward needs "
+                f"(first: row {i}, {col!r} = {v!r}); {self.rows - self.kept} dropped "
+                f"(on_missing_answer={self.action!r})")
+
+
+def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_missing_answer: str,
+                         key: str = "dataset", rollout_columns: Sequence[str] = (COMPLETION_IDS,)
+                         ) -> Tuple[Any, AnswerReport]:
+    """Checks that every reward finds its columns in ``dataset``, and counts the prompts whose needed
+    values are missing or empty.
 
     Args:
-        gen: the ``generation`` node.
-        key (str): its config key.
+        dataset: prompt rows ``{"prompt_tokens", "prompt", **columns}``.
+        rewards (Sequence[RewardSpec]): the run's rewards (:func:`~logitless.rl.rewards.build_reward_specs`).
+        on_missing_answer (str): ``"drop"`` (keep the other prompts, counted) or ``"error"``.
+        key (str): the dataset's config key, for messages.
+        rollout_columns (Sequence[str]): the keyword arguments the sampler adds to the dataset's
+            columns (``PolicySampler.reward_columns``: the sampled token ids; with tool turns the
+            conversation and the environment's info too).
+
+    Returns:
+        Tuple[Any, AnswerReport]: the dataset to sample from (the same object when nothing is dropped)
+        and the report.
 
     Raises:
-        ConfigError: naming ``generation.<name>``, the value and what was expected.
+        ConfigError: a reward needs a column the dataset lacks, or cannot take one it has (no
+            ``**kwargs``); a missing value with ``on_missing_answer="error"`` (naming the row, the column
+            and the file); no prompt left.
 
     Example:
-        >>> check_generation(OmegaConf.create({"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9}))
+        >>> ds, report = check_reward_columns(ds, specs, on_missing_answer="drop")
+        >>> report.message()
+        'dataset: 2 of 44 prompts have no value for a column a reward needs (first: row 0, ...'
     """
-    values = OmegaConf.to_container(gen, resolve=True) if isinstance(gen, DictConfig) else dict(gen)
-    n = values.get("max_new_tokens")
-    if not _is_int(n) or n < 1:
-        raise ConfigError(f"config key '{key}.max_new_tokens': expected an int >= 1, got {n!r}")
-    t = values.get("temperature", 1.0)
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-            and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-        greedy = (" (0 = greedy sampling gives every completion of a group the same tokens, so every advantage "
-                  "is 0: GRPO needs sampled completions)") if t == 0 else ""
-        raise ConfigError(f"config key '{key}.temperature': expected a finite number in "
-                          f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t!r}{greedy}")
-    k = values.get("top_k")
-    if k is not None and (not _is_int(k) or k < 1):
-        raise ConfigError(f"config key '{key}.top_k': expected null or an int >= 1, got {k!r}")
-    p = values.get("top_p")
-    if p is not None and not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1):
-        raise ConfigError(f"config key '{key}.top_p': expected null or a number in (0, 1], got {p!r}")
-    stops = values.get("stop_tokens")
-    if stops is not None and (not isinstance(stops, list) or not stops or not all(_is_int(s) and s >= 0
-                                                                                    for s in stops)):
-        raise ConfigError(f"config key '{key}.stop_tokens': expected a non-empty list of token ids >= 0, "
-                          f"got {stops!r}")
-
-
-def check_stop_tokens(stop_tokens: Sequence[int], vocab_size: Optional[int], key: str) -> None:
-    """Raises ConfigError when a stop token is not an id of the model's vocabulary (it could never
-    be sampled, so no completion would ever stop).
-
-    Args:
-        stop_tokens (Sequence[int]): the ids.
-        vocab_size (Optional[int]): the model's vocabulary (None: unknown, nothing checked).
-        key (str): where the ids come from (``generation.stop_tokens`` or ``tokenizer``).
-    """
-    if vocab_size is None:
-        return
-    bad = [s for s in stop_tokens if not 0 <= int(s) < vocab_size]
-    if bad:
-        raise ConfigError(f"config key {key!r}: stop token(s) {bad} outside the model's vocabulary; "
-                          f"expected ids in [0, {vocab_size})")
+    if on_missing_answer not in ON_MISSING_ANSWER:
+        raise ConfigError(f"config key 'on_missing_answer': expected one of {list(ON_MISSING_ANSWER)}, "
+                          f"got {on_missing_answer!r}")
+    n = len(dataset)
+    columns = [c for c in dataset[0] if c not in PROMPT_KEYS] if n else []
+    given = columns + [c for c in rollout_columns if c not in columns]
+    source = getattr(dataset, "source", "") or key
+    needed: List[str] = []
+    for i, spec in enumerate(rewards):
+        required, accepted = reward_columns(spec.function)
+        lacking = [c for c in required if c not in given]
+        if lacking:
+            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} reads the column {lacking[0]!r}, "
+                              f"which {key} ({source}) does not have; its columns are {columns}. Expected a dataset "
+                              f"with that column (prompt_dataset's answer_column exposes another column as 'answer')")
+        extra = [c for c in given if accepted is not None and c not in accepted]
+        if extra:
+            raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} is given every column of {key} and "
+                              f"{', '.join(map(repr, rollout_columns))} as keyword arguments, but takes none named {extra[0]!r}; expected a "
+                              f"signature ending in **kwargs (f(prompts, completions, "
+                              f"{', '.join(required + ('**kwargs',))}))")
+        needed += [c for c in required if c not in needed and c in columns]
+    kept: List[int] = []
+    first: Optional[Tuple[int, str, Any]] = None
+    for i in range(n):
+        row = dataset[i]
+        blank = next((c for c in needed if _blank(row.get(c))), None)
+        if blank is None:
+            kept.append(i)
+        elif first is None:
+            first = (i, blank, row.get(blank))
+    report = AnswerReport(n, len(kept), n - len(kept), tuple(needed), first, on_missing_answer)
+    if first is not None and on_missing_answer == "error":
+        i, col, v = first
+        raise ConfigError(f"config key 'on_missing_answer': 'error', and {key} ({source}) row {i} has {col!r} = {v!r}; "
+                          f"{report.missing} of {n} prompts have no value for {list(needed)}, which the rewards need "
+                          f"(every completion would score 0). Expected a value in every row: fix the data, or set "
+                          f"on_missing_answer=drop")
+    if not kept:
+        raise ConfigError(f"config key {key!r}: no prompt left to sample: {report.message(key)}. Expected at least "
+                          f"one prompt with a value for {list(needed)}")
+    if len(kept) == n:
+        return dataset, report
+    return RowSubset(dataset, kept), report
 
 
 @dataclass
@@ -203,4 +256,5 @@ def fit_prompt_dataset(dataset: Any, *, max_seq_len: Optional[int], max_new_toke
     return PromptSubset(dataset, kept, room if truncated else None), report
 
 
-__all__ = ["PromptReport", "PromptSubset", "check_generation", "check_stop_tokens", "fit_prompt_dataset"]
+__all__ = ["ON_MISSING_ANSWER", "AnswerReport", "PromptReport", "PromptSubset", "check_reward_columns",
+           "fit_prompt_dataset"]

@@ -1,23 +1,25 @@
-"""The GRPO recipes' prompts: the training and evaluation prompt sets, every prompt checked against
-the sampler's length limit at start, and the run's prompt stream (which rows each step takes).
+"""The GRPO recipes' prompts: the training and evaluation prompt sets, every prompt checked at start
+against the columns the rewards read (``on_missing_answer``) and the sampler's length limit
+(``on_too_long``), and the run's prompt stream (which rows each step takes).
 
 Example:
     >>> tokenizer, dataset, eval_dataset = build_prompt_datasets(cfg)
-    >>> dataset = fit_prompts(dataset, "dataset", cfg, max_seq_len=2048, max_new_tokens=256, log=True)
+    >>> dataset = fit_prompts(dataset, "dataset", cfg, rewards=specs, max_seq_len=2048, max_new_tokens=256,
+    ...                       log=True)
     >>> step_prompt_indices(0, num_rows=len(dataset), prompts_per_step=8, seed=0)
     >>> prompt_stream_indices(16, 8, num_rows=len(dataset), seed=0)  # the prompt stream's positions 16-23
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig
 from torchtune.utils import get_logger
 
-from logitless.rl.preflight import fit_prompt_dataset
-from logitless.rl.rewards import COMPLETION_IDS
+from logitless.rl.preflight import check_reward_columns, fit_prompt_dataset
+from logitless.rl.rewards import COMPLETION_IDS, RewardSpec
 from logitless.training.config import ConfigError
 from logitless.training.preflight import instantiate_dataset
 
@@ -42,33 +44,44 @@ def build_prompt_datasets(cfg: DictConfig) -> Tuple[Any, Any, Optional[Any]]:
     return tokenizer, dataset, eval_dataset
 
 
-def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, max_seq_len: Optional[int],
-                max_new_tokens: int, log: bool) -> Optional[Any]:
-    """``dataset`` with every prompt fitted to ``max_seq_len - max_new_tokens`` (``on_too_long``).
+def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, rewards: Sequence[RewardSpec],
+                max_seq_len: Optional[int], max_new_tokens: int, log: bool,
+                rollout_columns: Sequence[str] = (COMPLETION_IDS,)) -> Optional[Any]:
+    """``dataset`` with every prompt holding the values the rewards read (``on_missing_answer``) and
+    fitted to ``max_seq_len - max_new_tokens`` (``on_too_long``).
 
     Args:
         dataset (Optional[Any]): prompt rows (``prompt_tokens``); None (no evaluation set) is returned as is.
         key (str): its config key, for messages.
-        cfg (DictConfig): the config (``on_too_long``).
+        cfg (DictConfig): the config (``on_missing_answer``, ``on_too_long``).
+        rewards (Sequence[RewardSpec]): the run's rewards (their signatures name the columns they read).
         max_seq_len (Optional[int]): the longest sequence the sampler runs (None: unknown).
         max_new_tokens (int): completion length.
         log (bool): log the counts (rank 0).
+        rollout_columns (Sequence[str]): what the sampler adds to the rewards' keyword arguments
+            (``PolicySampler.reward_columns``).
 
     Returns:
         Optional[Any]: the dataset to sample from.
 
     Raises:
-        ConfigError: too-long prompts with ``on_too_long: error``, or no prompt left.
+        ConfigError: a column a reward needs is absent; prompts without its value with
+            ``on_missing_answer: error``; too-long prompts with ``on_too_long: error``; no prompt left.
     """
     if dataset is None:
         return None
     if len(dataset) and COMPLETION_IDS in dataset[0]:
         raise ConfigError(f"config key {key!r}: its rows have a column {COMPLETION_IDS!r}, the name under which the "
                           f"reward functions receive the sampled token ids; rename the column")
-    dataset, report = fit_prompt_dataset(dataset, max_seq_len=max_seq_len, max_new_tokens=max_new_tokens,
-                                         on_too_long=cfg.on_too_long, key=key)
+    dataset, answers = check_reward_columns(dataset, rewards, on_missing_answer=cfg.on_missing_answer, key=key,
+                                            rollout_columns=rollout_columns)
+    dataset, lengths = fit_prompt_dataset(dataset, max_seq_len=max_seq_len, max_new_tokens=max_new_tokens,
+                                          on_too_long=cfg.on_too_long, key=key)
     if log:
-        get_logger("INFO").info(report.message(key))
+        logger = get_logger("INFO")
+        if answers.missing:
+            logger.warning(answers.message(key))
+        logger.info(lengths.message(key))
     return dataset
 
 

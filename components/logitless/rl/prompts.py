@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch.utils.data import Dataset
 
+from logitless.datasets._files import check_encoding, data_files_problem
 from logitless.rl.chat import chat_messages, is_conversation, render_chat_prompt
 
 #: Row keys that are not dataset columns, and the reward functions' own argument names: a column
@@ -78,6 +79,7 @@ class PromptDataset(Dataset):
         if messages is not None and len(messages) != len(prompts):
             raise ValueError(f"got {len(messages)} message lists for {len(prompts)} prompts")
         self.rows: List[Dict[str, Any]] = []
+        self.source = source
         self.num_skipped = self.num_truncated = 0
         where = f" of {source!r}" if source else ""
         for i, (text, toks) in enumerate(zip(prompts, prompt_tokens)):
@@ -122,11 +124,21 @@ def _load_table(source: str, name: Optional[str], split: str, data_files: Any):
     """An HF ``datasets`` split: from the hub, or from local JSON / JSON lines / Parquet / CSV files."""
     import datasets
 
-    if source in ("json", "parquet", "csv"):
-        if data_files is None:
-            raise ValueError(f"source={source!r} needs data_files (a local path)")
-        return datasets.load_dataset(source, data_files=data_files, split=split)
-    return datasets.load_dataset(source, name, split=split)
+    if source not in ("json", "parquet", "csv"):
+        return datasets.load_dataset(source, name, split=split)
+    if data_files is None:
+        raise ValueError(f"source={source!r} needs data_files (a local path)")
+    check_encoding(source, data_files)  # bad bytes would load, and fail at a later read
+    try:
+        table = datasets.load_dataset(source, data_files=data_files, split=split)
+    except Exception as e:  # the loader's message names neither the file nor the row: find them
+        problem = data_files_problem(source, data_files)
+        if problem is None:
+            raise
+        raise ValueError(problem) from e
+    if len(table) == 0:
+        raise ValueError(f"{str(data_files)!r} holds no rows; expected at least one prompt")
+    return table
 
 
 def gsm8k_dataset(
@@ -174,12 +186,11 @@ def gsm8k_dataset(
             raise ValueError(f"GSM8K source {where!r} has no column {col!r}; columns: {raw.column_names}")
     if num_samples is not None:
         raw = raw.select(range(min(num_samples, len(raw))))
-    for i, (q, a) in enumerate(zip(raw[question_column], raw[answer_column])):
+    # a missing or empty answer is the recipe's to count (on_missing_answer), with every reward's columns
+    for i, q in enumerate(raw[question_column]):
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"GSM8K source {where!r}: row {i} has {question_column!r} = {q!r}; "
                              f"expected a non-empty string")
-        if a is None or (isinstance(a, str) and not a.strip()):
-            raise ValueError(f"GSM8K source {where!r}: row {i} has {answer_column!r} = {a!r}; expected an answer")
     questions = list(raw[question_column])
     tokens = [_encode(tokenizer, q, system_prompt, chat) for q in questions]
     # the prompt text (logs, rewards) is what the policy is given: the chat rendering when ``chat``

@@ -25,19 +25,33 @@ Recipes name them in YAML with weights::
         weight: 0.2
 
 The total reward of a completion is the weighted sum; every function's own mean and std are logged.
+
+A reward function returns one real number per completion: a list (or a 1-D tensor / array) of
+``int`` / ``float`` values, each finite with ``|r| <= MAX_ABS_REWARD`` (1e15), as is the weighted
+total. A string, a numeric string, a bool, ``None``, a wrong count, NaN, inf or a value past the bound
+stops the run with a :class:`RewardError` naming the function, the step and the completion. The bound
+keeps every statistic of a step finite in float32: a group's or batch's standard deviation sums squared
+deviations of up to (2e15)^2 each, and over a million completions that is still below float32's
+largest value (3.4e38); rewards of +-3e38 would make them inf, the advantages NaN.
 """
 
+import difflib
+import inspect
 import math
+import numbers
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from logitless.rl.math_answers import answers_match, extract_answer, reference_answer
+from logitless.training.config import ConfigError
 
 __all__ = [
     "COMPLETION_IDS",
+    "MAX_ABS_REWARD",
+    "REWARD_KEYS",
     "RewardError",
     "RewardSpec",
     "build_reward_specs",
@@ -47,7 +61,13 @@ __all__ = [
     "gsm8k_format",
     "math_correctness",
     "parse_gsm8k_answer",
+    "reward_columns",
 ]
+
+#: The largest |reward| (and |weighted total|) accepted: group and batch statistics stay finite in float32.
+MAX_ABS_REWARD = 1e15
+#: The keys of one ``rewards:`` entry.
+REWARD_KEYS = ("function", "weight", "name")
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
@@ -62,7 +82,7 @@ COMPLETION_IDS = "completion_ids"
 
 
 class RewardError(RuntimeError):
-    """A reward function failed, returned the wrong number of values, or returned NaN."""
+    """A reward function failed, or returned something other than one finite real number per completion."""
 
 
 def _to_float(text: str) -> Optional[float]:
@@ -197,15 +217,17 @@ def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]
         entries (Sequence[Mapping]): the ``rewards`` list of a config. ``function`` is a dotted
             path to a callable, the callable itself, or a ``{_component_: ..., **args}`` mapping
             that builds one (e.g. :class:`logitless.rl.reward_models.SequenceClassifierReward`);
-            ``weight`` defaults to 1.0; ``name``
-            defaults to the function's last path component.
+            ``weight`` (a number, default 1.0); ``name`` (default: the function's last path component).
+            Any other key is an error (a misspelt ``wieght`` would otherwise leave the weight at 1.0).
 
     Returns:
         List[RewardSpec]: one per entry.
 
     Raises:
-        ValueError: on an empty list, a missing/unknown function, a component that cannot be built,
-            a non-finite weight or duplicate names.
+        ConfigError: naming ``rewards[i].<key>``: an empty list, an unknown key, a missing or
+            non-importable function, one that cannot take ``(prompts, completions, **columns)``, a
+            component that cannot be built, a weight that is not a finite number (a bool or a string
+            is not one), duplicate names.
 
     Example:
         >>> [s.name for s in build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_format"}])]
@@ -214,42 +236,134 @@ def build_reward_specs(entries: Sequence[Mapping[str, Any]]) -> List[RewardSpec]
     from torchtune.config._utils import _get_component_from_path
 
     if not entries:
-        raise ValueError("rewards must list at least one reward function, got none")
+        raise ConfigError("config key 'rewards': expected at least one reward function, got none")
     specs = []
     for i, entry in enumerate(entries):
+        key = f"config key 'rewards[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{key}': expected a mapping {{function, weight, name}}, got {entry!r}")
+        for k in entry:
+            if k not in REWARD_KEYS:
+                close = difflib.get_close_matches(str(k), REWARD_KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{key}.{k}': unknown; a reward entry takes {list(REWARD_KEYS)}{hint}")
         if "function" not in entry:
-            raise ValueError(f"rewards[{i}] needs a 'function' (dotted path to a callable), got keys {list(entry)}")
+            raise ConfigError(f"{key}.function': required (a dotted path to a callable), got keys {list(entry)}")
         fn = entry["function"]
         if isinstance(fn, Mapping):  # a component with arguments, e.g. a reward model
             if "_component_" not in fn:
-                raise ValueError(f"rewards[{i}].function: a mapping needs '_component_' (a dotted path to a class "
-                                 f"or factory), got keys {list(fn)}")
+                raise ConfigError(f"{key}.function': a mapping needs '_component_' (a dotted path to a class or "
+                                  f"factory), got keys {list(fn)}")
             from omegaconf import OmegaConf
             from torchtune import config as tt_config
 
             try:
                 fn = tt_config.instantiate(OmegaConf.create(dict(fn)))
             except Exception as e:
-                raise ValueError(f"rewards[{i}].function={fn['_component_']!r} cannot be built: "
-                                 f"{type(e).__name__}: {e}") from e
+                raise ConfigError(f"{key}.function': {fn['_component_']!r} cannot be built: "
+                                  f"{type(e).__name__}: {e}") from e
         elif isinstance(fn, str):
             try:
                 fn = _get_component_from_path(fn)
             except Exception as e:  # torchtune raises InstantiationError
-                raise ValueError(f"rewards[{i}].function={entry['function']!r} cannot be imported: {e}") from e
+                raise ConfigError(f"{key}.function': {entry['function']!r} cannot be imported: {e}") from e
         if not callable(fn):
-            raise ValueError(f"rewards[{i}].function must be callable, got {type(fn).__name__}")
-        weight = float(entry.get("weight", 1.0))
-        if not math.isfinite(weight):
-            raise ValueError(f"rewards[{i}].weight must be finite, got {weight}")
+            raise ConfigError(f"{key}.function': expected a callable, got {type(fn).__name__} {fn!r}")
+        _check_reward_signature(fn, f"{key}.function'")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{key}.weight': expected a finite number, got {weight!r} ({type(weight).__name__})")
         name = entry.get("name") or getattr(fn, "__name__", type(fn).__name__)
-        specs.append(RewardSpec(name=str(name), function=fn, weight=weight))
+        if not isinstance(name, str):
+            raise ConfigError(f"{key}.name': expected a string, got {name!r}")
+        specs.append(RewardSpec(name=name, function=fn, weight=float(weight)))
     names = [s.name for s in specs]
     if "total" in names:
-        raise ValueError("reward name 'total' is reserved for the weighted sum; set another 'name:'")
+        raise ConfigError("config key 'rewards': the name 'total' is reserved for the weighted sum; set another "
+                          "'name:'")
     if len(set(names)) != len(names):
-        raise ValueError(f"reward names must be unique (set 'name:' to disambiguate), got {names}")
+        raise ConfigError(f"config key 'rewards': reward names must be unique (set 'name:' to disambiguate), "
+                          f"got {names}")
     return specs
+
+
+def _signature(fn: Callable) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+
+
+def _check_reward_signature(fn: Callable, where: str) -> None:
+    sig = _signature(fn)
+    if sig is None:
+        return
+    try:
+        sig.bind_partial([], [])
+    except TypeError:
+        raise ConfigError(f"{where}: {getattr(fn, '__name__', fn)!r} cannot take (prompts, completions, **columns): "
+                          f"its signature is {sig}") from None
+
+
+def reward_columns(fn: Callable) -> Tuple[Tuple[str, ...], Optional[Tuple[str, ...]]]:
+    """The dataset columns a reward function reads, from its signature.
+
+    Args:
+        fn (Callable): a reward function ``f(prompts, completions, <columns>, **kwargs)``.
+
+    Returns:
+        Tuple: ``(required, accepted)``: the columns it needs (arguments after the first two without a
+        default), and every column it can take (None: any, through ``**kwargs``).
+
+    Example:
+        >>> reward_columns(math_correctness)
+        (('answer',), None)
+    """
+    sig = _signature(fn)
+    if sig is None:
+        return (), None
+    params = list(sig.parameters.values())
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    columns = [p for p in named if p not in positional]
+    required = tuple(p.name for p in columns if p.default is p.empty)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    return required, None if takes_any else tuple(p.name for p in columns)
+
+
+def _real(v: Any) -> Optional[float]:
+    """``v`` as a float when it is one real number (int, float, numpy or one-element tensor; not a
+    bool, not a string), else None."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.dtype == torch.bool or v.is_complex():
+            return None
+        return float(v.item())
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy numbers are Real, numpy bools not
+        return None
+    return float(v)
+
+
+def _check_values(spec: RewardSpec, values: Any, n: int, where: str, prompts: Sequence[str],
+                  completions: Sequence[str]) -> List[float]:
+    """The function's values as floats, or a RewardError naming what is wrong with them."""
+    what = f"reward function {spec.name!r}"
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
+        values = values.tolist() if getattr(values, "ndim", 1) == 1 else values
+    if not isinstance(values, (list, tuple)):
+        raise RewardError(f"{what} returned a {type(values).__name__} on {where}; expected a list of {n} real "
+                          f"numbers, one per completion (a string would be read one character at a time)")
+    if len(values) != n:
+        raise RewardError(f"{what} returned {len(values)} rewards on {where}, expected {n} (one per completion)")
+    out = []
+    for i, v in enumerate(values):
+        x = _real(v)
+        if x is None or not math.isfinite(x) or abs(x) > MAX_ABS_REWARD:
+            why = ("a real number (int or float; not a string, a bool or None)" if x is None else
+                   f"a finite number with |r| <= {MAX_ABS_REWARD:g}")
+            raise RewardError(f"{what} returned {v!r} ({type(v).__name__}) on {where} for completion {i}; expected "
+                              f"{why}. Prompt: {prompts[i]!r}; completion: {completions[i]!r}")
+        out.append(x)
+    return out
 
 
 def compute_rewards(
@@ -274,8 +388,10 @@ def compute_rewards(
         the weighted sum.
 
     Raises:
-        RewardError: naming the function and batch when a function raises, returns a length
-            other than N or a non-number, or returns NaN (naming the prompt and completion).
+        RewardError: naming the function and batch when a function raises, returns something other
+            than a list of N real numbers (a string, a bool, None...), or a value that is not finite or
+            exceeds :data:`MAX_ABS_REWARD` (naming the completion, its prompt and text), or when the
+            weighted total does.
 
     Example:
         >>> specs = build_reward_specs([{"function": "logitless.rl.rewards.gsm8k_format"}])
@@ -290,7 +406,7 @@ def compute_rewards(
         if len(values) != n:
             raise ValueError(f"row field {key!r} has {len(values)} values, expected {n} (one per completion)")
     out: Dict[str, torch.Tensor] = {}
-    total = torch.zeros(n, dtype=torch.float32)
+    total = torch.zeros(n, dtype=torch.float64)
     where = f"batch {batch_id}" if batch_id is not None else "this batch"
     for spec in specs:
         try:
@@ -298,20 +414,13 @@ def compute_rewards(
         except Exception as e:
             raise RewardError(f"reward function {spec.name!r} raised on {where} ({n} completions): "
                               f"{type(e).__name__}: {e}") from e
-        try:
-            values = [float(v) for v in values]
-        except (TypeError, ValueError) as e:
-            raise RewardError(f"reward function {spec.name!r} must return a list of floats, on {where} "
-                              f"it returned {type(values).__name__}: {e}") from e
-        if len(values) != n:
-            raise RewardError(f"reward function {spec.name!r} returned {len(values)} rewards on {where}, "
-                              f"expected {n} (one per completion)")
-        for i, v in enumerate(values):
-            if math.isnan(v) or math.isinf(v):
-                raise RewardError(f"reward function {spec.name!r} returned {v} on {where} for completion {i}; "
-                                  f"prompt: {prompts[i]!r}; completion: {completions[i]!r}")
-        t = torch.tensor(values, dtype=torch.float32)
-        out[spec.name] = t
+        t = torch.tensor(_check_values(spec, values, n, where, prompts, completions), dtype=torch.float64)
+        out[spec.name] = t.float()
         total += spec.weight * t
-    out["total"] = total
+    big = (total.abs() > MAX_ABS_REWARD).nonzero()
+    if len(big):
+        i = int(big[0])
+        raise RewardError(f"the weighted total of the rewards is {float(total[i]):g} on {where} for completion {i}; "
+                          f"expected |total| <= {MAX_ABS_REWARD:g} (weights {[s.weight for s in specs]})")
+    out["total"] = total.float()
     return out

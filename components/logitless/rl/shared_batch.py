@@ -19,7 +19,7 @@ from logitless.first_start import note_compile
 from logitless.modules import HeadInput, unwrap_compiled
 from logitless.modules.cascade_attention import cascade_layout, enable_cascade_attention
 from logitless.modules.prompt_sharing import SharedPromptBatch, gather_predicting_rows, pack_groups, segment_mask
-from logitless.rl.rollout.result import Rollout
+from logitless.generation.result import Rollout
 
 ATTENTION = ("cascade", "sdpa", "flex")
 #: ``prompt_sharing_attention`` in a config: ``auto`` chooses per step (:func:`packing_attention`).
@@ -38,7 +38,7 @@ class SharedGroupBatch:
         prompts (List[torch.Tensor]): B 1-D prompts without their left padding.
         completions (torch.Tensor): ``(B, G, T)`` completion tokens (``pad_id`` after the stop token).
         loss_mask (torch.Tensor): ``(B, G, T)`` bool, True at the completion tokens in the loss: those the
-            policy sampled (:attr:`logitless.rl.rollout.Rollout.loss_mask`). Attention does not read it:
+            policy sampled (:attr:`logitless.generation.result.Rollout.loss_mask`). Attention does not read it:
             every completion column is context, tool and environment tokens included.
         truncated (torch.Tensor): ``(B*G,)`` bool, completions that hit the length limit.
         pad_id (int): filler token of the packed sequences.
@@ -218,7 +218,7 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
     """Groups a rollout's rows (contiguous groups of G) and strips each prompt's left padding.
 
     Args:
-        rollout (Rollout): from a sampler (:mod:`logitless.rl.rollout`) (N = prompts x G rows).
+        rollout (Rollout): from a sampler (:mod:`logitless.generation`) (N = prompts x G rows).
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
         attention (str): ``"cascade"``, ``"sdpa"`` or ``"flex"`` (CUDA), see :class:`SharedGroupBatch`.
@@ -255,7 +255,7 @@ PROMPT_SHARING = (True, False, "auto")
 #: length (the scores of every completion against every other one are computed, then masked), which
 #: outgrows what packing saves in the linear layers: H200, Qwen2.5-0.5B, G=16, 1024-token prompt,
 #: update time packed vs expanded: 9216 packed tokens 0.26 vs 0.28 s, 17408 tokens 0.72 vs 0.38 s
-#: (``benchmarks/results/prompt_sharing_scaling_h200.csv``).
+#: (``experiments/results/prompt_sharing_scaling_h200.csv``).
 AUTO_MAX_PACKED_SDPA = 12288
 
 

@@ -35,6 +35,7 @@ One concern per module:
 - :mod:`~logitless.training.threads`: ``cpu_threads`` (torch's CPU threads per recipe process, ``auto`` by default).
 """
 
+# Public: __all__ (docs/CONTRACT.md). The other names are internal, imported here for the recipes and tests.
 from logitless.training.checkpoint import (CheckpointManager, complete_checkpoints, rng_state, set_rng_state,
                                           verify_checkpoint)
 from logitless.training.config import ConfigError, Key, config_summary, resolve_component, validate_config
@@ -48,12 +49,4 @@ from logitless.training.resume import RunStart, apply_optimizer_changes, start_r
 from logitless.training.sft import SFTObjective
 from logitless.training.step import StepObjective, StepResult, TrainStep
 
-__all__ = [
-    "CheckpointManager", "CheckpointMismatchError", "ConfigError", "Key", "NonFiniteGuard",
-    "NonFiniteStepsError", "NonFiniteWeightsError", "ProgressBar", "ResumableSampler", "RunStart",
-    "SFTObjective", "StepObjective", "StepResult", "StepTimer", "TrainStep", "apply_optimizer_changes", "batch_to_device",
-    "build_dataloader", "build_metric_logger", "build_model", "check_finite_weights", "check_state_dict",
-    "complete_checkpoints", "config_summary",
-    "is_packed", "load_weights", "peak_memory_gib", "read_disk_log", "resolve_component", "rng_state",
-    "set_rng_state", "start_run", "validate_config", "verify_checkpoint",
-]
+__all__ = ["ConfigError"]

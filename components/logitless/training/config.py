@@ -2,14 +2,17 @@
 
 A recipe declares its top-level keys as a schema of :class:`Key` entries; :func:`validate_config`
 checks types and ranges, fills defaults, rejects unknown keys, resolves every ``_component_`` and
-checks its arguments against the callable's signature, and checks that the files a component
-reads exist.
+checks its arguments against the callable's signature (names, required arguments, and the types its
+annotations state: :func:`check_argument_types`), and checks that the files a component reads exist.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import os
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
@@ -151,11 +154,94 @@ def _check_component(key: str, node: DictConfig, positional: int, supplied: Iter
             continue
         if n not in given and n not in by_recipe:
             raise ConfigError(f"config key '{key}.{n}': required by {node._component_} but missing")
+    check_argument_types(key, obj, {k: node[k] for k in given})
     if check_files:
         # only arguments the callable declares: a stand-in that swallows a real builder's file
         # arguments in **kwargs (synthetic data) does not read them
         declared = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD}
         _check_files(key, node, declared)
+
+
+def _hints(obj: Callable) -> Dict[str, Any]:
+    """The resolved annotations of ``obj``'s arguments (a class: of its ``__init__``); {} when they
+    cannot be resolved (a forward reference to a name the module does not define)."""
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # noqa: BLE001 -- unresolvable annotations: nothing to check against
+        return {}
+
+
+def _expected(hint: Any) -> Optional[Tuple[str, Callable[[Any], bool]]]:
+    """(what ``hint`` expects, in words; a test of a plain config value), or None when ``hint`` is not
+    one a YAML value can be checked against (a class, a callable, ``Any``): such an argument is left to
+    the component."""
+    if hint is type(None):
+        return "null", lambda v: v is None
+    if hint is bool:
+        return "a bool", lambda v: isinstance(v, bool)
+    if hint is int:
+        return "an int", lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:  # an int is a fine float; a bool is not a number here
+        return "a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is str:
+        return "a string", lambda v: isinstance(v, str)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return f"one of {list(args)}", lambda v: any(v == a and type(v) is type(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_expected(a) for a in args]
+        if any(p is None for p in parts):
+            return None
+        return " or ".join(p[0] for p in parts), lambda v: any(p[1](v) for p in parts)
+    if origin in (list, tuple, collections.abc.Sequence):
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return None  # a fixed-length tuple (e.g. betas): the component checks it
+        item = _expected(args[0]) if args else ("anything", lambda v: True)
+        if item is None:
+            return None
+        return f"a list of {item[0]}", lambda v: isinstance(v, (list, tuple)) and all(item[1](x) for x in v)
+    return None
+
+
+def check_argument_types(key: str, component: Callable, values: Mapping[str, Any]) -> None:
+    """Checks the config's arguments of a component against the types its signature annotates.
+
+    Only plain annotations are checked: ``int`` (not a bool), ``float`` (an int or a float, not a
+    bool), ``bool``, ``str``, ``Literal[...]``, ``Optional`` / unions of these, and lists of them.
+    A nested component (a mapping with ``_component_``) and an argument annotated with anything else
+    (a class, a callable, ``Any``) are left to the component. YAML reads ``1e-3`` as a string and
+    ``True`` as a bool: both are refused where a number is annotated, instead of being used as text
+    or as 1.
+
+    Args:
+        key (str): the component's config key, for messages.
+        component (Callable): the resolved ``_component_``.
+        values (Mapping[str, Any]): the arguments the config gives.
+
+    Raises:
+        ConfigError: ``config key '<key>.<arg>': <component> expects <type>, got <value> (<type>)``.
+
+    Example:
+        >>> check_argument_types("loss", GRPOLoss, {"beta": "abc"})
+        Traceback (most recent call last):
+        ConfigError: config key 'loss.beta': logitless.losses.grpo.GRPOLoss expects a number, got 'abc' (str)
+    """
+    hints = _hints(component)
+    name = f"{getattr(component, '__module__', '')}.{getattr(component, '__qualname__', component)}"
+    for arg, value in values.items():
+        if arg not in hints:
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            if isinstance(value, DictConfig) and "_component_" in value:
+                continue  # a nested component: instantiate checks it
+            value = OmegaConf.to_container(value, resolve=True)
+        elif isinstance(value, Mapping) and "_component_" in value:
+            continue
+        expected = _expected(hints[arg])
+        if expected is not None and not expected[1](value):
+            raise ConfigError(f"config key '{key}.{arg}': {name} expects {expected[0]}, "
+                              f"got {value!r} ({type(value).__name__})")
 
 
 def _check_files(key: str, node: DictConfig, declared: Optional[set] = None) -> None:
@@ -277,4 +363,4 @@ def config_summary(cfg: DictConfig) -> Dict[str, Any]:
 
 
 __all__ = ["ConfigError", "Key", "validate_config", "resolve_component", "config_summary",
-           "FILE_ARGS", "LOCAL_DATASET_LOADERS"]
+           "check_argument_types", "FILE_ARGS", "LOCAL_DATASET_LOADERS"]

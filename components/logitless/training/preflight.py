@@ -2,10 +2,14 @@
 lengths of the training rows against the model's ``max_seq_len``.
 
 :func:`validate_config` checks types, ranges and components; this module checks what needs a
-little more than the config's shape: the optimizer's numeric arguments (torch rejects them only
-when the optimizer is built, after the model), whether the device exists on this machine, the
-model's limits (read from a parameter-free ``meta``-device build of the configured builder, which
-costs no memory), and every SFT row's length, with a count of what is truncated or dropped.
+little more than the config's shape (:func:`check_components` runs the config checks in order): the
+optimizer's numeric arguments (torch rejects them only when the optimizer is built, after the
+model), the LR schedule's (built on a one-parameter stand-in optimizer), the loss (built: a loss holds
+no weights, so its own validation runs in microseconds), the LoRA arguments (module names from the
+model family's list), the checkpointer's ``model_type``, ``max_seq_len`` limits, whether the device
+exists on this machine, the model's limits (read from a parameter-free ``meta``-device build of the
+configured builder, which costs no memory), and every SFT row's length, with a count of what is
+truncated or dropped.
 
 Example:
     >>> check_device("cuda")            # on a machine without CUDA
@@ -16,7 +20,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import re
+import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -24,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
-from logitless.training.config import ConfigError
+from logitless.training.config import ConfigError, resolve_component
 
 #: What a recipe does with a row longer than the model (or tokenizer) ``max_seq_len`` (``on_too_long``).
 ON_TOO_LONG = ("truncate", "drop", "error")
@@ -106,6 +114,248 @@ def check_optimizer(node: Optional[DictConfig], key: str = "optimizer") -> None:
             continue
         if not ok(v):
             raise ConfigError(f"config key '{key}.{arg}': expected {expected}, got {v!r}")
+
+
+def _values(node: Any) -> Dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def _builder_error(key: str, node: Any, e: BaseException) -> ConfigError:
+    """A component's own error at construction as a ConfigError naming the argument it is about.
+
+    Our components (and torch's) start their messages with the argument's name ("beta must be a
+    number >= 0, got 'abc'"); the key is then ``<key>.<argument>``, else the component's key.
+    """
+    msg = str(e) or type(e).__name__
+    given = [k for k in _values(node) if k != "_component_"]
+    first = re.match(r"\W*([A-Za-z_]\w*)", msg)
+    where = f"{key}.{first.group(1)}" if first and first.group(1) in given else key
+    return ConfigError(f"config key {where!r} ({node.get('_component_')}): {msg}")
+
+
+def _needed_inputs(loss_class: type) -> List[str]:
+    """Arguments of ``loss_class.normalised_loss`` after (outputs, labels, total) that have no default."""
+    params = list(inspect.signature(loss_class.normalised_loss).parameters.values())[4:]  # self, outputs, labels, total
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _losses_for(expected: type, inputs: Optional[Sequence[str]]) -> List[str]:
+    """The ``logitless.losses`` classes a recipe can run: ``expected`` ones that need no other inputs."""
+    import logitless.losses as losses
+
+    found = [getattr(losses, n) for n in losses.__all__]
+    return [f"logitless.losses.{c.__name__}" for c in found
+            if inspect.isclass(c) and issubclass(c, expected) and not inspect.isabstract(c)
+            and (inputs is None or set(_needed_inputs(c)) <= set(inputs))]
+
+
+def check_loss(node: DictConfig, key: str = "loss", *, expected: type,
+               inputs: Optional[Sequence[str]] = None) -> None:
+    """Builds the loss component once, before the model, so its own argument checks run then.
+
+    A loss holds no weights: building it costs microseconds. Its arguments' types were checked
+    against its signature by :func:`~logitless.training.config.validate_config`; here its own
+    validation (ranges, choices, combinations) runs, and the result must be an ``expected`` loss whose
+    ``normalised_loss`` needs no input the recipe does not give it.
+
+    Args:
+        node (DictConfig): the ``loss`` component node.
+        key (str): its config key.
+        expected (type): the loss class the recipe drives (``logitless.losses.StepLoss`` for SFT,
+            ``GRPOLoss`` for GRPO).
+        inputs (Optional[Sequence[str]]): the keyword inputs the recipe passes ``normalised_loss``
+            besides ``(outputs, labels, total)`` (SFT: none; None: not checked).
+
+    Raises:
+        ConfigError: naming ``loss.<argument>`` (or ``loss._component_``), the value and what was expected.
+
+    Example:
+        >>> check_loss(OmegaConf.create({"_component_": "logitless.losses.GRPOLoss", "loss_type": "foo"}),
+        ...            expected=GRPOLoss)
+        Traceback (most recent call last):
+        ConfigError: config key 'loss.loss_type' (logitless.losses.GRPOLoss): loss_type must be one of ...
+    """
+    from torchtune import config as tt_config
+
+    try:
+        with warnings.catch_warnings():  # a deprecation warns once, when the recipe builds the loss
+            warnings.simplefilter("ignore")
+            loss = tt_config.instantiate(node)
+    except (ValueError, TypeError, ArithmeticError) as e:
+        raise _builder_error(key, node, e) from e
+    expected_names = f"expected one of {_losses_for(expected, inputs)}"
+    if not isinstance(loss, expected):
+        raise ConfigError(f"config key '{key}._component_': {node._component_} builds a {type(loss).__name__}, "
+                          f"not a {expected.__module__}.{expected.__name__}; {expected_names}")
+    missing = [n for n in _needed_inputs(type(loss)) if inputs is not None and n not in inputs]
+    if missing:
+        raise ConfigError(f"config key '{key}._component_': {node._component_} needs {missing} at every step, which "
+                          f"this recipe does not have; {expected_names}")
+
+
+# argument -> (what is expected, test); checked only where the LR schedule takes the argument
+_SCHEDULER_ARGS = {
+    "num_warmup_steps": ("an int >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "num_training_steps": ("an int >= 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "num_cycles": ("a finite number", _finite),
+    "last_epoch": ("an int >= -1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1),
+}
+
+
+def check_lr_scheduler(node: Optional[DictConfig], key: str = "lr_scheduler", *,
+                       num_training_steps: Optional[int] = None) -> None:
+    """Checks the LR schedule's step counts and builds it on a one-parameter stand-in optimizer, so
+    an argument it rejects (or a schedule that gives a non-finite learning rate) fails before the model.
+
+    Args:
+        node (Optional[DictConfig]): the ``lr_scheduler`` component node (None: no schedule).
+        key (str): its config key.
+        num_training_steps (Optional[int]): what the recipe will pass when the config does not set it
+            (None: a stand-in of 1; the real count is known once the data is loaded).
+
+    Raises:
+        ConfigError: naming ``lr_scheduler.<argument>``, the value and what was expected.
+
+    Example:
+        >>> check_lr_scheduler(OmegaConf.create({"_component_": "torchtune.training.lr_schedulers."
+        ...                    "get_cosine_schedule_with_warmup", "num_warmup_steps": -5}))
+        Traceback (most recent call last):
+        ConfigError: config key 'lr_scheduler.num_warmup_steps': expected an int >= 0, got -5
+    """
+    if node is None:
+        return
+    from torchtune import config as tt_config
+
+    values = _values(node)
+    for arg, (expected, ok) in _SCHEDULER_ARGS.items():
+        if arg in values and not ok(values[arg]):
+            raise ConfigError(f"config key '{key}.{arg}': expected {expected}, got {values[arg]!r}")
+    params = inspect.signature(resolve_component(node._component_, key)).parameters
+    extra = {"num_training_steps": num_training_steps or 1} if (
+        "num_training_steps" in params and "num_training_steps" not in values) else {}
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        tt_config.instantiate(node, stand_in, **extra)
+    except (ValueError, TypeError, ArithmeticError) as e:
+        raise _builder_error(key, node, e) from e
+    lr = stand_in.param_groups[0]["lr"]
+    if not (isinstance(lr, float) and math.isfinite(lr) and lr >= 0):
+        raise ConfigError(f"config key {key!r} ({node._component_}): gives a learning-rate factor of {lr!r} at step 0; "
+                          f"expected a finite number >= 0")
+
+
+def lora_module_names(builder: Any) -> Tuple[str, ...]:
+    """The attention projections a LoRA builder can adapt: the ``Literal`` its ``lora_attn_modules``
+    annotation lists (torchtune's builders), else torchtune's ``LORA_ATTN_MODULES``.
+
+    Example:
+        >>> lora_module_names(torchtune.models.qwen2_5.lora_qwen2_5_0_5b)
+        ('q_proj', 'k_proj', 'v_proj', 'output_proj')
+    """
+    from torchtune.modules.peft import LORA_ATTN_MODULES
+
+    try:
+        hint = typing.get_type_hints(builder).get("lora_attn_modules")
+    except Exception:  # noqa: BLE001 -- unresolvable annotations: torchtune's list
+        hint = None
+    args = typing.get_args(hint) if hint is not None else ()
+    literal = args[0] if args and typing.get_origin(args[0]) is typing.Literal else LORA_ATTN_MODULES
+    return typing.get_args(literal)
+
+
+def check_lora_model(node: DictConfig, key: str = "model") -> None:
+    """Checks a ``lora_*`` model builder's adapter arguments (torchtune builds ``rank 0`` into a
+    ZeroDivisionError after the base is loaded, and skips an unknown module name silently).
+
+    Args:
+        node (DictConfig): the ``model`` node of a LoRA builder.
+        key (str): its config key.
+
+    Raises:
+        ConfigError: naming ``model.<argument>``, the value and what was expected.
+
+    Example:
+        >>> check_lora_model(OmegaConf.create({"_component_": "logitless.models.lora_qwen2_5_tiny",
+        ...                                    "lora_attn_modules": ["bogus"]}))
+        Traceback (most recent call last):
+        ConfigError: config key 'model.lora_attn_modules': 'bogus' is not a module of ...
+    """
+    values = _values(node)
+    rank = values.get("lora_rank", 1)
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+        raise ConfigError(f"config key '{key}.lora_rank': expected an int >= 1, got {rank!r}")
+    alpha = values.get("lora_alpha", 1.0)
+    if not (_finite(alpha) and alpha > 0):
+        raise ConfigError(f"config key '{key}.lora_alpha': expected a finite number > 0, got {alpha!r}")
+    dropout = values.get("lora_dropout", 0.0)
+    if not (_finite(dropout) and 0 <= dropout < 1):
+        raise ConfigError(f"config key '{key}.lora_dropout': expected a number in [0, 1), got {dropout!r}")
+    modules = values.get("lora_attn_modules", [])
+    names = lora_module_names(resolve_component(node._component_, key))
+    if not isinstance(modules, list):
+        raise ConfigError(f"config key '{key}.lora_attn_modules': expected a list of names from {list(names)}, "
+                          f"got {modules!r}")
+    for m in modules:
+        if m not in names:
+            raise ConfigError(f"config key '{key}.lora_attn_modules': {m!r} is not a module of "
+                              f"{node._component_}; expected names from {list(names)}")
+    if not modules and not values.get("apply_lora_to_mlp") and not values.get("apply_lora_to_output"):
+        raise ConfigError(f"config key '{key}.lora_attn_modules': [] with apply_lora_to_mlp and apply_lora_to_output "
+                          f"off leaves no adapter to train; expected at least one module from {list(names)}")
+
+
+def check_checkpointer(node: Optional[DictConfig], key: str = "checkpointer") -> None:
+    """Checks the checkpointer's ``model_type`` against torchtune's model types (torchtune reads it
+    only when it loads, as a bare ``KeyError``).
+
+    Raises:
+        ConfigError: naming ``checkpointer.model_type``, the value and the known types.
+    """
+    if node is None or "model_type" not in node:
+        return
+    from torchtune.training.checkpointing._utils import ModelType
+
+    model_type = node.model_type
+    if model_type not in ModelType.__members__:
+        raise ConfigError(f"config key '{key}.model_type': {model_type!r} is not a torchtune model type; expected "
+                          f"one of {list(ModelType.__members__)}")
+
+
+def check_max_seq_len(node: Optional[DictConfig], key: str) -> None:
+    """``max_seq_len`` of a tokenizer or model builder must be null or an int >= 1 (a tokenizer cuts
+    every row to it: a negative value leaves no token, and a run that trains nothing)."""
+    if node is None or "max_seq_len" not in node:
+        return
+    v = _values(node)["max_seq_len"]
+    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        raise ConfigError(f"config key '{key}.max_seq_len': expected null or an int >= 1, got {v!r}")
+
+
+def check_components(cfg: DictConfig, *, loss_class: type, loss_inputs: Optional[Sequence[str]] = None,
+                     num_training_steps: Optional[int] = None) -> None:
+    """The config checks every recipe runs before it builds anything (after :func:`validate_config`):
+    ``device`` spelling, optimizer and LR-schedule values, the loss (built), LoRA arguments,
+    the checkpointer's ``model_type``, and the ``max_seq_len`` of tokenizer and model.
+
+    Args:
+        cfg (DictConfig): the validated recipe config.
+        loss_class (type): the loss class the recipe drives.
+        loss_inputs (Optional[Sequence[str]]): what the recipe passes the loss besides outputs, labels and
+            the step's counts (:func:`check_loss`).
+        num_training_steps (Optional[int]): given to the LR schedule when its config lacks it.
+
+    Raises:
+        ConfigError: the first mistake, naming its key, its value and what was expected.
+    """
+    check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
+    check_optimizer(cfg.optimizer)
+    check_lr_scheduler(cfg.get("lr_scheduler"), num_training_steps=num_training_steps)
+    check_loss(cfg.loss, expected=loss_class, inputs=loss_inputs)
+    if "lora_rank" in cfg.model:
+        check_lora_model(cfg.model)
+    check_checkpointer(cfg.get("checkpointer"))
+    check_max_seq_len(cfg.tokenizer, "tokenizer")
+    check_max_seq_len(cfg.model, "model")
 
 
 # ----------------------------------------------------------------------------- model limits
@@ -306,6 +556,10 @@ def fit_sft_dataset(dataset: Any, *, tokenizer: Any, model_max_seq_len: Optional
     limits = [(v, s) for v, s in ((tok_limit, "tokenizer.max_seq_len"),
                                   (model_max_seq_len, "the model's max_seq_len")) if isinstance(v, int)]
     limit, source = min(limits) if limits else (None, "")
+    if limit is not None and limit < 1:  # a negative cut would slice from the end and keep the rows
+        limit_key = source if source == "tokenizer.max_seq_len" else "model.max_seq_len"
+        raise ConfigError(f"config key {limit_key!r}: {limit} leaves no token to train on; expected null or an "
+                          f"int >= 1")
     n = len(dataset)
     kept: List[int] = []
     too_long = truncated = untrained = 0
@@ -348,5 +602,6 @@ def fit_sft_dataset(dataset: Any, *, tokenizer: Any, model_max_seq_len: Optional
     return RowSubset(dataset, kept, max_len), report
 
 
-__all__ = ["ON_TOO_LONG", "LengthReport", "ModelLimits", "RowSubset", "check_device", "check_optimizer",
-           "fit_sft_dataset", "instantiate_dataset", "model_limits"]
+__all__ = ["ON_TOO_LONG", "LengthReport", "ModelLimits", "RowSubset", "check_checkpointer", "check_components",
+           "check_device", "check_lora_model", "check_loss", "check_lr_scheduler", "check_max_seq_len",
+           "check_optimizer", "fit_sft_dataset", "instantiate_dataset", "lora_module_names", "model_limits"]

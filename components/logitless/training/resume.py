@@ -41,6 +41,7 @@ from logitless.training.checkpoint import (RUN_FILE, CheckpointManager, Checkpoi
                                           complete_checkpoints, log, new_run_id, read_marker, read_run_file,
                                           record_session, set_aside, step_folders, verify_checkpoint)
 from logitless.training.config import ConfigError, Key, config_summary
+from logitless.training.data_fingerprint import with_data_fingerprints
 from logitless.training.run_lock import LOCK_FILE
 
 RESUME_KEYS: Dict[str, Key] = {
@@ -305,7 +306,7 @@ def start_run(cfg: DictConfig, *, fixed_keys: Sequence[str], runtime, recipe: Op
         if saved is None:
             notes.append(f"{checkpoint} records no config: changes cannot be checked")
         else:
-            start.changes = config_changes(saved, config_summary(cfg))
+            start.changes = config_changes(saved, with_data_fingerprints(config_summary(cfg), cfg, saved=saved))
             allowed = list(cfg.get("resume_allow_changes") or [])
             refused = _refused(start.changes, fixed_keys, allowed)
             if refused:

@@ -24,6 +24,7 @@ from torch import nn
 from logitless.training import model as model_utils
 from logitless.training.checkpoint import CheckpointManager, CheckpointSaveError, set_rng_state
 from logitless.training.config import config_summary
+from logitless.training.data_fingerprint import with_data_fingerprints
 from logitless.training.distributed import Runtime
 from logitless.training.nonfinite import NonFiniteGuard, check_finite_weights
 from logitless.training.resume import apply_optimizer_changes
@@ -40,7 +41,8 @@ def training_state(runtime: Runtime, model: nn.Module, optimizer: torch.optim.Op
         lr_scheduler (Optional[Any]): the LR schedule, or None.
         guard (NonFiniteGuard): the skipped-step counters.
         seed (int): the run's seed.
-        cfg (DictConfig): the config (saved so that a resume can name what changed).
+        cfg (DictConfig): the config (saved with its data files' fingerprints, so that a resume can name
+            what changed).
 
     Returns:
         Dict[str, Any]: ``optimizer``, ``lr_scheduler``, ``rng``, ``seed``, ``world_size``,
@@ -49,7 +51,7 @@ def training_state(runtime: Runtime, model: nn.Module, optimizer: torch.optim.Op
     return {"optimizer": runtime.optimizer_state_dict(model, optimizer),
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "rng": runtime.rng_states(), "seed": seed, "world_size": runtime.world_size,
-            "nonfinite": guard.state_dict(), "config": config_summary(cfg)}
+            "nonfinite": guard.state_dict(), "config": with_data_fingerprints(config_summary(cfg), cfg)}
 
 
 def restore_training_state(state: Mapping[str, Any], *, runtime: Runtime, model: nn.Module,

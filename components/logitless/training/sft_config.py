@@ -13,8 +13,10 @@ from omegaconf import DictConfig
 
 from logitless.training.checkpoint import ON_SAVE_ERROR_KEY
 from logitless.training.config import ConfigError, Key, validate_config
+from logitless.training.data_fingerprint import FINGERPRINT_KEY
 from logitless.training.distributed import FSDP_KEYS
-from logitless.training.preflight import ON_TOO_LONG, check_device, check_optimizer
+from logitless.losses import StepLoss
+from logitless.training.preflight import ON_TOO_LONG, check_components
 from logitless.training.resume import RESUME_KEYS, validate_resume_config
 from logitless.training.threads import CPU_THREADS_KEY, check_cpu_threads
 
@@ -61,11 +63,12 @@ SFT_SCHEMA: Dict[str, Key] = {
                        doc="rows longer than max_seq_len (tokenizer's or model's): cut, drop, or stop with an error; "
                            "counts are logged at start"),
 }
-# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes.
+# Keys a resume refuses to see changed (they break exact resume) unless named in resume_allow_changes;
+# data_fingerprint.dataset: the training data files' sizes and hashes (training.data_fingerprint).
 SFT_FIXED_ON_RESUME = ("batch_size", "gradient_accumulation_steps", "seed", "shuffle", "max_steps_per_epoch",
                        "dataset", "tokenizer", "model", "model_init", "dtype", "optimizer._component_",
                        "lr_scheduler._component_", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files",
-                       "checkpointer.model_type")
+                       "checkpointer.model_type", f"{FINGERPRINT_KEY}.dataset")
 LORA_KEYS: Dict[str, Key] = {
     "merge_adapters": Key(bool, default=True,
                           doc="save the base weights with the adapters merged (HF format) in every checkpoint, "
@@ -107,8 +110,7 @@ def validate_sft_config(cfg: DictConfig, *, lora: bool = False, distributed: boo
             if k not in cfg.model:
                 raise ConfigError(f"config key 'model.{k}': the LoRA recipe needs a lora_* model builder "
                                   f"(got {cfg.model._component_!r} without {k})")
-    check_device(cfg.device, available=False)  # the recipe checks that it exists on this machine
-    check_optimizer(cfg.optimizer)
+    check_components(cfg, loss_class=StepLoss, loss_inputs=(), num_training_steps=cfg.max_steps)
     if cfg.clip_grad_norm is not None and not cfg.clip_grad_norm > 0:
         raise ConfigError(f"config key 'clip_grad_norm': expected a value > 0 or null, got {cfg.clip_grad_norm!r}")
     check_cpu_threads(cfg.cpu_threads)

@@ -10,8 +10,8 @@ from logitless.generation.tools import CHAT_FORMATS, ToolChat
 from logitless.generation.tools.eager import generate_turns
 from logitless.generation.tools.session import TurnSession
 from logitless.models import qwen2_5_tiny
-from logitless.rl.rollout.eager import generate
-from logitless.rl.rollout.sampling import prompt_generators
+from logitless.generation.eager import generate
+from logitless.generation.sampling import prompt_generators
 
 TOKENIZER = tiny_qwen2_5_tokenizer()
 IM_END = TOKENIZER.special_tokens["<|im_end|>"]

@@ -1,6 +1,6 @@
 """The eager multi-turn sampler: the reference for rollouts whose rows call tools between turns.
 
-:func:`generate_turns` samples like :func:`logitless.rl.rollout.eager.generate` (one plain forward
+:func:`generate_turns` samples like :func:`logitless.generation.eager.generate` (one plain forward
 per token, the last position's logits only, the same sampling math and random streams) and drives a
 :class:`~logitless.generation.tools.session.TurnSession` between turns:
 
@@ -40,10 +40,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from logitless.generation.tools.session import TurnSession
-from logitless.rl.rollout.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
-from logitless.rl.rollout.result import Rollout, left_pad
-from logitless.rl.rollout.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
-from logitless.rl.rollout.trunk import decoder_hidden
+from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS, check_prefill_chunk_tokens, prefill
+from logitless.generation.result import Rollout, left_pad
+from logitless.generation.sampling import RandomSource, check_random_source, check_sampling_args, sample_next
+from logitless.generation.trunk import decoder_hidden
 
 __all__ = ["generate_turns"]
 
@@ -118,13 +118,13 @@ def generate_turns(
         temperature (float): sampling temperature (0 = greedy).
         top_k (Optional[int]): top-k filter.
         top_p (Optional[float]): nucleus filter.
-        generator (RandomSource): one generator, or one per prompt (as :func:`~logitless.rl.rollout.eager.generate`).
+        generator (RandomSource): one generator, or one per prompt (as :func:`~logitless.generation.eager.generate`).
         prefill_chunk_tokens (Optional[int]): tokens per prompt-prefill forward (None: one forward).
 
     Returns:
         Rollout: ``completion_tokens`` hold each row's turns and the continuations between them;
         ``completion_mask`` every real token; ``sampled_mask`` the tokens the policy sampled (the
-        only ones with ``sampler_log_probs`` and in :attr:`~logitless.rl.rollout.Rollout.loss_mask`);
+        only ones with ``sampler_log_probs`` and in :attr:`~logitless.generation.result.Rollout.loss_mask`);
         ``truncated`` rows cut by the budget; ``trajectories`` the session's conversations and counters.
 
     Raises:

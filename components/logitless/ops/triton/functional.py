@@ -23,18 +23,24 @@ from logitless.ops.triton import ops as _ops  # noqa: F401  (registers the torch
 
 
 @torch.compiler.assume_constant_result
-def _head_gemm() -> str:
-    """``LOGITLESS_HEAD_GEMM`` as this call sees it, handed to the forward op, whose backward then runs
-    the same GEMMs whenever it runs (under ``torch.compile``: the value when the graph was traced)."""
-    mode = settings.head_gemm
+def _head_gemm_setting() -> str:
+    # under torch.compile: the value when the graph was traced
+    return settings.head_gemm
+
+
+def resolve_gemm_backend(gemm_backend: Optional[str]) -> str:
+    """The GEMM backend of this call (``gemm_backend``, else ``LOGITLESS_HEAD_GEMM``), handed to the
+    forward op, whose backward then runs the same GEMMs whenever it runs."""
+    mode = _head_gemm_setting() if gemm_backend is None else gemm_backend
     if mode == "quack" and not quack_head.quack_installed():
+        where = "LOGITLESS_HEAD_GEMM" if gemm_backend is None else "gemm_backend"
         raise ValueError(
-            "LOGITLESS_HEAD_GEMM='quack' needs quack-kernels (pip install 'logitless[quack]'), which is "
-            "not installed; use 'cublas' or 'auto'"
+            f"{where}='quack' needs quack-kernels (pip install 'logitless[quack]'), which is "
+            f"not installed; use 'cublas' or 'auto'"
         )
     return mode
 
-__all__ = ["linear_cross_entropy", "linear_log_probs"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "resolve_gemm_backend"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -73,7 +79,7 @@ def _prep(hidden, weight, labels):
 
 def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, *,
                          ignore_index: int, reduction: str, temperature: float,
-                         n_valid: Optional[int] = None) -> torch.Tensor:
+                         n_valid: Optional[int] = None, gemm_backend: Optional[str] = None) -> torch.Tensor:
     """Cross-entropy of ``softmax(hidden2d @ weight.T / temperature)``, fused.
 
     Args:
@@ -85,6 +91,8 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
         temperature (float): > 0, divides the logits.
         n_valid (Optional[int]): the number of non-ignored labels when the caller has read it
             (validation does, in its one host sync); None: counted here (a second sync).
+        gemm_backend (Optional[str]): the head's GEMMs (``"auto" | "cublas" | "quack" | "triton"``);
+            None = ``LOGITLESS_HEAD_GEMM``.
 
     Returns:
         torch.Tensor: fp32 scalar, or fp32 ``(N,)`` for ``"none"`` (0 at ignored rows).
@@ -100,7 +108,7 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
     nv = -1 if n_valid is None else int(n_valid)
     need_dh = hidden2d.requires_grad and torch.is_grad_enabled()
     need_dw = weight.requires_grad and torch.is_grad_enabled()
-    mode = _head_gemm()
+    mode = resolve_gemm_backend(gemm_backend)
     if not (need_dh or need_dw) and quack_head.forward_applies(h, w, mode):
         nll = -quack_head.log_probs(h, w, y, ignore_index=ignore_index, temperature=t)
         if reduction == "none":
@@ -111,8 +119,8 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
         return -logp
     if need_dh or need_dw:
         return torch.ops.logitless.triton_ce_fused(h, w, y, ignore_index, t, reduction == "mean",
-                                                   need_dh, need_dw, nv)[0]
-    total = -torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, False, nv)[0].sum()
+                                                   need_dh, need_dw, nv, mode)[0]
+    total = -torch.ops.logitless.triton_head_fwd(h, w, y, ignore_index, t, False, nv, mode)[0].sum()
     if reduction == "sum":
         return total
     return total / (y != ignore_index).sum().clamp(min=1)
@@ -120,7 +128,8 @@ def linear_cross_entropy(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d:
 
 def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor, *,
                      ignore_index: int, temperature: float, return_entropy: bool,
-                     n_valid: Optional[int] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     n_valid: Optional[int] = None,
+                     gemm_backend: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probs (and entropy) of ``softmax(hidden2d @ weight.T / temperature)``, fused.
 
     Differentiable w.r.t. ``hidden2d`` and ``weight`` for any upstream gradients (the backward
@@ -134,6 +143,7 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
         temperature (float): > 0, divides the logits.
         return_entropy (bool): also return the entropy (else ``None``).
         n_valid (Optional[int]): as in :func:`linear_cross_entropy`.
+        gemm_backend (Optional[str]): as in :func:`linear_cross_entropy`.
 
     Returns:
         Tuple[torch.Tensor, Optional[torch.Tensor]]: fp32 ``(N,)`` log-probs and entropy.
@@ -144,7 +154,7 @@ def linear_log_probs(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: tor
     _check(hidden2d, weight, labels1d, temperature)
     h, w, y = _prep(hidden2d, weight, labels1d)
     for_backward = torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad)
-    mode = _head_gemm()
+    mode = resolve_gemm_backend(gemm_backend)
     if not (for_backward or return_entropy) and quack_head.forward_applies(h, w, mode):
         return quack_head.log_probs(h, w, y, ignore_index=ignore_index, temperature=temperature), None
     logp, ent, _ = torch.ops.logitless.triton_head_fwd(

@@ -38,7 +38,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: input dtype; ``warp_specialize`` (0/1) asks Triton to split the tile loop into producer (TMA
 #: loads) and consumer (MMA + epilogue) warps where the compiler supports it.
 #: 16-bit inputs: the fastest of ``bench_head.py --hgemm-sweep qwen7b`` on an H200 (each kind swept
-#: with the others fixed; benchmarks/results/head_gemm_sweep_h200.csv): statistics GEMM 1.21 GEMMs
+#: with the others fixed; experiments/results/head_gemm_sweep_h200.csv): statistics GEMM 1.21 GEMMs
 #: (1.60 with 128 x 128 tiles), dlogits 4.64 GEMMs for log-probs + entropy (5.07), dW 5.32 for CE
 #: (5.66). fp32 (tf32-free ``ieee`` dots): unmeasured, 64 x 128 tiles. Small tiles in the CPU
 #: interpreter, so that odd test shapes cross several tiles (and H = 16 pads the K loop).
@@ -79,7 +79,7 @@ def enabled() -> bool:
 
     ``"cublas"``: never. ``"triton"``: always (where :func:`supported`). ``"auto"``: only where a
     committed H200 measurement says they win; at the 7B head they lost in every mode, even at their
-    swept blocks (benchmarks/results/head_gemm_h200.csv), so ``"auto"`` is ``"cublas"``.
+    swept blocks (experiments/results/head_gemm_h200.csv), so ``"auto"`` is ``"cublas"``.
 
     Returns:
         bool: use the Triton GEMMs (subject to :func:`supported`).

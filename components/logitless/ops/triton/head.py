@@ -493,7 +493,7 @@ def head_forward(hidden, weight, labels, ignore_index: int, temperature: float,
     Walks (row block x V slab) tiles of logits: at most ``FORWARD_WORKSPACE_BYTES`` of them for a
     forward-only call, ``WORKSPACE_BYTES`` when a backward will follow (whose own buffers are that
     large anyway, so the peak does not move; larger GEMM tiles are faster: 1.13 vs 1.16 GEMMs at
-    the 7B head, 1.41 vs 1.50 at the 0.5B head, H200, ``benchmarks/sweep_forward_workspace.py``).
+    the 7B head, 1.41 vs 1.50 at the 0.5B head, H200, ``experiments/sweep_forward_workspace.py``).
     Where :func:`logitless.ops.quack_head.outputs_apply` holds, QuACK's GEMM computes the same
     outputs with the statistics in its epilogue instead (no logits tiles).
 

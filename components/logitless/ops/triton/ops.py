@@ -102,14 +102,16 @@ head_fwd.register_autograd(_head_backward, setup_context=_head_setup)
 @torch.library.custom_op("logitless::triton_ce_fused", mutates_args=())
 def ce_fused(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
              temperature: float, mean: bool, need_dh: bool, need_dw: bool,
-             n_valid: int = -1) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(loss, dh, dw)``, gradients for an upstream of 1; see :func:`head.ce_fused`."""
-    return head.ce_fused(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw,
-                         n_valid)
+             n_valid: int = -1, head_gemm: str = "") -> Tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(loss, dh, dw)``, gradients for an upstream of 1; see :func:`head.ce_fused`.
+    ``head_gemm``: as in :func:`head_fwd` (the backward only scales what the forward computed)."""
+    with _head_gemm(head_gemm):
+        return head.ce_fused(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw,
+                             n_valid)
 
 
 @ce_fused.register_fake
-def _(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw, n_valid=-1):
+def _(hidden, weight, labels, ignore_index, temperature, mean, need_dh, need_dw, n_valid=-1, head_gemm=""):
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_dh else hidden.new_empty((0,)),
             torch.empty_like(weight) if need_dw else weight.new_empty((0,)))
@@ -145,13 +147,13 @@ def _ce_backward(ctx, g_loss, g_dh, g_dw):
     ctx.used = True
     dh, dw = ctx.saved_tensors
     if g_loss is None:
-        return (None,) * 9
+        return (None,) * 10
     g = g_loss.detach()
     if ctx.need[0]:
         scale_(dh, g)
     if ctx.need[1]:
         scale_(dw, g)
-    return ((dh if ctx.need[0] else None), (dw if ctx.need[1] else None)) + (None,) * 7
+    return ((dh if ctx.need[0] else None), (dw if ctx.need[1] else None)) + (None,) * 8
 
 
 ce_fused.register_autograd(_ce_backward, setup_context=_ce_setup)
