@@ -10,6 +10,7 @@ def bench(load_benchmark):
     return load_benchmark("bench_tool_rollouts")
 
 
+@pytest.mark.slow  # ~20 s: the compiled sampler's CPU run and an update on each kind of rollout
 def test_multi_and_single_turn_rows_and_the_update(bench, tmp_path):
     out = tmp_path / "tools.csv"
     assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "8", "--turns", "3",
