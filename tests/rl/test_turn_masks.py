@@ -61,14 +61,8 @@ def _reference_update(model, reference, batch, rollout, adv, beta):
             float(kl[own].mean()), int(own.sum()))
 
 
-@pytest.mark.parametrize("prompt_sharing", [False, True])
-def test_update_counts_the_policy_tokens_only(multi_turn, prompt_sharing):
-    base, rollout = multi_turn
-    assert bool((rollout.completion_mask & ~rollout.sampled_mask).any())
-    reference = _model(seed=1)  # a different policy, so the KL is not 0
-    adv = torch.linspace(-1.0, 1.5, rollout.completion_tokens.shape[0])
-    want_loss, want_grads, want_entropy, want_kl, want_tokens = _reference_update(
-        base, reference, policy_batch(rollout), rollout, adv, beta=0.1)
+def _update(base, loss_fn, batch, adv, **kwargs):
+    """One ``grpo_update`` of a copy of ``base`` (learning rate 0); returns its metrics and the gradients."""
     model = copy.deepcopy(base)
     grads = {}
 
@@ -77,10 +71,21 @@ def test_update_counts_the_policy_tokens_only(multi_turn, prompt_sharing):
             grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
             return super().step(closure)
 
-    batch = training_batch(rollout, prompt_sharing=prompt_sharing)
+    out = grpo_update(model, loss_fn, Capture(model.parameters(), lr=0.0), batch, adv, micro_batch_size=G, **kwargs)
+    return out, grads
+
+
+@pytest.mark.parametrize("prompt_sharing", [False, True])
+def test_update_counts_the_policy_tokens_only(multi_turn, prompt_sharing):
+    base, rollout = multi_turn
+    assert bool((rollout.completion_mask & ~rollout.sampled_mask).any())
+    reference = _model(seed=1)  # a different policy, so the KL is not 0
+    adv = torch.linspace(-1.0, 1.5, rollout.completion_tokens.shape[0])
+    want_loss, want_grads, want_entropy, want_kl, want_tokens = _reference_update(
+        base, reference, policy_batch(rollout), rollout, adv, beta=0.1)
     loss_fn = GRPOLoss(loss_type="dapo", beta=0.1, temperature=TEMPERATURE, impl="chunked")
-    out = grpo_update(model, loss_fn, Capture(model.parameters(), lr=0.0), batch, adv, micro_batch_size=G,
-                      reference=ReferencePolicy.frozen_copy(reference))
+    out, grads = _update(base, loss_fn, training_batch(rollout, prompt_sharing=prompt_sharing), adv,
+                         reference=ReferencePolicy.frozen_copy(reference))
     assert out["num_loss_tokens"] == want_tokens
     assert out["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
     assert out["entropy"] == pytest.approx(want_entropy, rel=1e-5)
@@ -129,19 +134,11 @@ def test_sampler_correction_weighs_and_measures_the_policy_tokens_only(multi_tur
     want = (-weight * torch.exp(logp - logp.detach()) * adv.double()[:, None])[own].sum() / own.sum()
     want.backward()
 
-    model = copy.deepcopy(base)
-    grads = {}
-
-    class Capture(torch.optim.SGD):
-        def step(self, closure=None):
-            grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-            return super().step(closure)
-
     loss_fn = GRPOLoss(loss_type="dapo", beta=0.0, temperature=TEMPERATURE, impl="chunked",
                        sampler_correction=True, sampler_correction_mode="token_truncate",
                        sampler_correction_clip_max=3.0)
-    out = grpo_update(model, loss_fn, Capture(model.parameters(), lr=0.0), training_batch(rollout, prompt_sharing=True),
-                      adv, micro_batch_size=G, sampler_log_probs=sampler.float())
+    out, grads = _update(base, loss_fn, training_batch(rollout, prompt_sharing=True), adv,
+                         sampler_log_probs=sampler.float())
     assert out["loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-7)
     assert out["sampling/logp_difference/mean"] == pytest.approx(float(d.abs().mean()), rel=1e-5)
     assert out["sampling/logp_difference/max"] == pytest.approx(float(d.abs().max()), rel=1e-5)
