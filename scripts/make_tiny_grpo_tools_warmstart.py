@@ -12,7 +12,6 @@ components/logitless/rl/assets/tiny_grpo_tools_warmstart/.
 Run from the repository root:  python scripts/make_tiny_grpo_tools_warmstart.py
 """
 
-import json
 import shutil
 import sys
 import tempfile
@@ -20,14 +19,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "components"), str(ROOT / "recipes"), str(ROOT / "scripts")]
-from logitless.datasets import TINY_CHECKPOINT_DIR  # noqa: E402
 from logitless.training.checkpoint import complete_checkpoints  # noqa: E402
 from full_sft_single_device import SFTRecipe  # noqa: E402
-from make_tiny_grpo_warmstart import well_scaled_init  # noqa: E402
+from make_tiny_grpo_warmstart import export_bf16, well_scaled_init  # noqa: E402
 
 OUT = ROOT / "components/logitless/rl/assets/tiny_grpo_tools_warmstart"
 
@@ -36,7 +33,9 @@ def main(argv=None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--short-steps", type=int, default=0,
+                   help="first phase: steps on rows without the tools block in the system turn (~6x shorter)")
+    p.add_argument("--steps", type=int, default=150, help="second phase: steps on rows rendered as the rollout does")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--tool-fraction", type=float, default=0.5)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -46,34 +45,35 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="tiny_grpo_tools_warmstart_"))
     init = well_scaled_init(work)
+    if args.short_steps:
+        init = _sft(work / "short", init, args, steps=args.short_steps, tools_in_prompt=False)
+    export_bf16(_sft(work / "run", init, args, steps=args.steps, tools_in_prompt=True), out)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _sft(run: Path, init: Path, args, *, steps: int, tools_in_prompt: bool) -> Path:
+    """One SFT phase from the HF folder ``init``; returns its last checkpoint folder."""
+    files = sorted(p.name for p in init.glob("model*.safetensors"))
     cfg = OmegaConf.create({
-        "output_dir": str(work / "run"),
+        "output_dir": str(run),
         "model": {"_component_": "logitless.models.qwen2_5_tiny"},
         "tokenizer": {"_component_": "logitless.datasets.tiny_qwen2_5_tokenizer", "max_seq_len": 1024},
         "dataset": {"_component_": "logitless.rl.tool_arithmetic.tool_arithmetic_warmstart_dataset",
-                    "num_samples": args.batch_size * args.steps, "tool_fraction": args.tool_fraction, "seed": 0},
+                    "num_samples": args.batch_size * steps, "tool_fraction": args.tool_fraction,
+                    "tools_in_prompt": tools_in_prompt, "seed": int(tools_in_prompt)},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
-                         "checkpoint_dir": str(init), "checkpoint_files": ["model.safetensors"],
-                         "model_type": "QWEN2", "output_dir": str(work / "run")},
+                         "checkpoint_dir": str(init), "checkpoint_files": files,
+                         "model_type": "QWEN2", "output_dir": str(run)},
         "loss": {"_component_": "logitless.losses.LinearCrossEntropyLoss", "impl": "chunked"},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": args.lr, "weight_decay": 0.0},
-        "seed": 0, "batch_size": args.batch_size, "epochs": 1, "max_steps": args.steps, "clip_grad_norm": 1.0,
+        "seed": 0, "batch_size": args.batch_size, "epochs": 1, "max_steps": steps, "clip_grad_norm": 1.0,
         "dtype": "fp32", "device": "cpu", "log_every_n_steps": 10,
         "metric_logger": {"_component_": "torchtune.training.metric_logging.StdoutLogger"},
     })
     losses = SFTRecipe(cfg).run()
-    print(f"SFT loss: first {losses[0]:.3f}, last {losses[-1]:.3f}")
-    step_dir = complete_checkpoints(work / "run")[-1]
-    sd = {}
-    for f in sorted(step_dir.glob("model-*.safetensors")):
-        sd.update(load_file(str(f)))
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = json.loads((TINY_CHECKPOINT_DIR / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB)")
+    print(f"SFT ({'tools in the prompt' if tools_in_prompt else 'short rows'}): loss first {losses[0]:.3f}, "
+          f"last {losses[-1]:.3f}")
+    return complete_checkpoints(run)[-1]
 
 
 if __name__ == "__main__":
