@@ -244,7 +244,7 @@ def bench_config(model, name, sampler_name, sampler, rows, prompt_len, new_token
     for stops in (never, mix_stop_tokens(vocab, new_tokens)):
         sample(sampler, model, prompts, new_tokens, stops, 1)
     prefill_s, _ = timed(lambda: sample(sampler, model, prompts, 1, never, 1), device)
-    fused = (getattr(sampler, "_state", None) or {}).get("fused")
+    fused = getattr(getattr(sampler, "_state", None), "fused", None)  # DecodeBuffers, kept between calls
     if fused is not None:
         print(f"[{name}] {sampler_name}: concatenated projections hold {fused.nbytes / 2**30:.2f} GiB", flush=True)
     for mix in MIXES:

@@ -907,7 +907,7 @@ def _fmt(x, spec):
 
 def tables(csv_path, out=sys.stdout):
     """Markdown tables of a results CSV, one per (shape, logits regime, ignored fraction), in the
-    order the rows were measured (the README and docs/performance.md tables come from here)."""
+    order the rows were measured (the README and docs/benchmarks.md tables come from here)."""
     with open(csv_path, newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r.get("ms")]
     keys = list(dict.fromkeys((r["shape"], r.get("logits", ""), r.get("ignore_frac", "")) for r in rows))

@@ -1,4 +1,4 @@
-"""The markdown tables of docs/generation.md's split-K section, regenerated from the committed CSVs.
+"""The markdown tables of the split-K measurements (summarised in docs/history.md), regenerated from the committed CSVs.
 
 - the decode step against the roofline (``generation_roofline_h200.csv``, rows measured since
   ``--since``, uniform and mix of each (model, rows, attention) side by side);

@@ -8,7 +8,7 @@ Three GEMMs of the head use it:
   passes, a loss-only evaluation): the epilogue folds each tile into the row's online log-sum-exp
   and picks out the label's logit. On an H200 0.92-1.01 of one cuBLAS GEMM's time at the 7B, 8B,
   0.5B and 32768-row heads (the GEMM writes its bf16 output; this one does not), against 1.10-1.64
-  for the cuBLAS + Triton-epilogue path (docs/performance.md).
+  for the cuBLAS + Triton-epilogue path (docs/history.md).
 * :func:`forward_outputs`: log-probs, entropy and the float64 log-sum-exp of ``impl="triton"``'s
   forward (:func:`logitless.ops.triton.head.head_forward`), with or without a backward to follow:
   per (row, N tile) the tile's max (a prepass over the accumulator), ``sum 2^x`` and ``sum 2^x x``,

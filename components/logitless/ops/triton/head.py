@@ -29,7 +29,7 @@ paths, all with fp32 softmax statistics and fp32 accumulation inside every GEMM:
   it needs no workspace for them and is rounded into dW once, so fewer chunks follow (7B head,
   8192 rows: 1 + 6 instead of 11). Otherwise the two passes above (4 GEMMs, dW rounded once per
   row block): more rounding steps of dW cost more accuracy than plain PyTorch's at 152k
-  vocabularies (measured, docs/performance.md).
+  vocabularies (measured, docs/history.md).
 
 On QuACK (``LOGITLESS_HEAD_GEMM=quack|auto``, :func:`chunks_on_quack`) the one pass's chunks are
 whole pairs of 128-row tiles (:func:`~logitless.ops.quack_head.chunk_rows_on_quack`); each chunk's
@@ -344,7 +344,7 @@ def pinned_columns(rows: int, vocab: int, chunks: int, itemsize: int) -> int:
     ``(rows, k)`` dlogits fit ``PINNED_BYTES`` and dW is rounded more than once (two or more
     chunks), whatever H: moving ``k`` of V columns costs about ``16 k / V`` of a pass over a
     chunk's dlogits, the second pass it saves a GEMM (H200, 10% ignored labels,
-    docs/performance.md: 3.37 against 4.24 GEMMs at the 7B head, 4.12 against 4.87 at 0.5B).
+    docs/history.md: 3.37 against 4.24 GEMMs at the 7B head, 4.12 against 4.87 at 0.5B).
 
     Args:
         rows (int): valid rows. vocab (int): V. chunks (int): row chunks of the pass.
