@@ -2,10 +2,10 @@
 
 The tiny policy is trained on whole tool conversations (``logitless.rl.tool_arithmetic.
 tool_arithmetic_warmstart_dataset``): half of them call the calculator with the question's
-expression and copy its answer after ``####``, the other half answer at once. The model cannot add
-4-digit numbers, so after this SFT it calls the tool on some prompts and gets those right, and
-guesses (wrongly) on the others: GRPO then has a reward that only the tool reaches. It starts from
-the same rescaled random init as the arithmetic warm start (``make_tiny_grpo_warmstart.well_scaled_init``);
+expression and copy its answer after ``####``, the other half answer at once. With the default
+steps the policy learns the format (a tool call, then an answer) but not the copying: the digits of
+its calls and answers are wrong, so its reward is 0. It starts from the same rescaled random init as
+the arithmetic warm start (``make_tiny_grpo_warmstart.well_scaled_init``);
 the final weights are stored in bf16 (HF format, 1.5 MB) in
 components/logitless/rl/assets/tiny_grpo_tools_warmstart/.
 

@@ -1,9 +1,10 @@
 """The tiny tool task: adding two long numbers, which the tiny policy can only do with a calculator.
 
-A 2-layer, 128-wide model cannot learn multi-digit addition, but it can learn to copy: to write the
-question into a calculator call and the calculator's answer after ``####``. So the reward of
-``configs/tiny_grpo_tools.yaml`` is reachable through the tool only, and GRPO on multi-turn
-rollouts has something to learn: call the tool every time.
+A 2-layer, 128-wide model cannot learn multi-digit addition, so the reward of
+``configs/tiny_grpo_tools.yaml`` is reachable only by writing the question into a calculator call and
+the calculator's answer after ``####``. The bundled warm start does not learn that copying (its
+calls and answers carry the wrong digits), so GRPO on it sees a reward of 0 and does not learn: the
+task exercises the multi-turn machinery, it is not yet a learning curve.
 
 - :func:`tool_arithmetic_dataset`: the prompts (chat rows ``[system, user "a+b="]``, the ``answer``
   column for the correctness reward);
