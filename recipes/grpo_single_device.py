@@ -39,7 +39,7 @@ from logitless.rl.completion_log import CompletionLogger
 from logitless.rl.config import GRPO_FIXED_ON_RESUME, validate_grpo_config
 from logitless.rl.dynamic_sampling import GroupFill, ScoredRollout, micro_batch_size_for
 from logitless.rl.evaluation import greedy_accuracy
-from logitless.rl.metrics import gather_columns, rollout_metrics, update_flops
+from logitless.rl.metrics import TURN_COLUMNS, gather_columns, rollout_metrics, turn_columns, turn_metrics, update_flops
 from logitless.generation.policy_sampler import PolicySampler
 from logitless.rl.prompt_sets import build_prompt_datasets, fit_prompts, prompt_stream_indices
 from logitless.rl.reference import build_reference, reference_sync_due
@@ -101,9 +101,13 @@ class GRPORecipe:
         self.rewards = build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))
         place_reward_models(self.rewards, self.device)  # reward models run on the policy's device
         self.sampler = PolicySampler.from_config(cfg, self.tokenizer, self.runtime)
+        if self.sampler.turns is not None:  # prompts as the rollout renders them: with the tools
+            self.dataset = self.sampler.turns.render_prompts(self.dataset, "dataset")
+            self.eval_dataset = self.sampler.turns.render_prompts(self.eval_dataset, "eval_dataset")
         # every prompt must hold the values its rewards read and fit the sampler's length limit
         limits = dict(rewards=self.rewards, max_seq_len=self.sampler.max_seq_len,
-                      max_new_tokens=self.sampler.max_new_tokens, log=self.runtime.is_rank_zero)
+                      max_new_tokens=self.sampler.max_new_tokens, log=self.runtime.is_rank_zero,
+                      rollout_columns=self.sampler.reward_columns)
         self.dataset = fit_prompts(self.dataset, "dataset", cfg, **limits)
         self.eval_dataset = fit_prompts(self.eval_dataset, "eval_dataset", cfg, **limits)
         # output_dir ownership, verified checkpoint, config changes: decided before the policy is built
@@ -186,8 +190,8 @@ class GRPORecipe:
             rollout, prompts, texts, fields = self.sampler.sample(
                 self.model, rows, group_size, prompt_generators(self.seed, step, streams, self.device))
         rewards = compute_rewards(self.rewards, prompts, texts, fields, batch_id=f"step {step + 1}")
-        values = gather_columns({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated},
-                                self.runtime.all_gather)
+        values = gather_columns({**rewards, "length": rollout.completion_lengths, "truncated": rollout.truncated,
+                                 **turn_columns(rollout)}, self.runtime.all_gather)
         return ScoredRollout(rollout, prompts, texts, rewards, values,
                              slice(share.start * group_size, share.stop * group_size))
 
@@ -220,8 +224,9 @@ class GRPORecipe:
         t_gen = time.perf_counter()
         sampled = dict(sampled)
         lengths, truncated = sampled.pop("length"), sampled.pop("truncated")
+        turns = {k: sampled.pop(k) for k in TURN_COLUMNS if k in sampled}
         # rewards, lengths and truncation of every completion sampled (all rounds of dynamic sampling)
-        metrics = {**rollout_metrics(sampled, lengths, truncated.bool()), **sampling_metrics}
+        metrics = {**rollout_metrics(sampled, lengths, truncated.bool()), **turn_metrics(turns), **sampling_metrics}
         self.last_rollout = None
         if batch is None:  # dynamic sampling found no group with a reward spread: nothing to learn from
             self.sync_reference(step)
@@ -233,7 +238,8 @@ class GRPORecipe:
                                         scale_rewards=self.scale_rewards, lengths=batch.values["length"])
         own_advantages = advantages[batch.rows]
         rollout = batch.rollout
-        self.last_rollout = (batch.prompts, batch.texts, batch.rewards, own_advantages)
+        self.last_rollout = (batch.prompts, batch.texts, batch.rewards, own_advantages,
+                             None if rollout.trajectories is None else [t.turn_messages for t in rollout.trajectories])
         attention = step_packing_attention(rollout, self.model, enabled=self.prompt_sharing,
                                            attention=cfg.prompt_sharing_attention,
                                            must_pack=cfg.prompt_sharing is True, all_reduce=self.runtime.all_reduce)

@@ -78,7 +78,13 @@ def main(argv=None) -> None:
     losses = SFTRecipe(cfg).run()
     print(f"SFT loss: first {losses[0]:.3f}, last {losses[-1]:.3f} (uniform over 10 digits, EOS learnt: "
           f"{(torch.log(torch.tensor(10.0)) / 2):.3f} per label)")
-    step_dir = complete_checkpoints(work / "run")[-1]
+    export_bf16(complete_checkpoints(work / "run")[-1], out)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def export_bf16(step_dir: Path, out: Path) -> None:
+    """Writes the weights of the checkpoint ``step_dir`` in bf16 (one HF safetensors file) with the
+    tiny model's ``config.json`` into ``out``: the bundled warm-start folder."""
     sd = {}
     for f in sorted(step_dir.glob("model-*.safetensors")):
         sd.update(load_file(str(f)))
@@ -87,7 +93,6 @@ def main(argv=None) -> None:
               metadata={"format": "pt"})
     config = json.loads((TINY_CHECKPOINT_DIR / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB)")
 
 

@@ -17,8 +17,8 @@ from logitless.resources import CONFIGS_DIR
 
 _FULL = ("tiny_full", "tiny_qwen3_full", "qwen2_5_0_5b_full", "qwen2_5_1_5b_full", "qwen2_5_7b_full", "qwen3_1_7b_full")
 _LORA = ("tiny_lora", "qwen2_5_0_5b_lora", "qwen2_5_1_5b_lora", "qwen2_5_7b_lora", "qwen3_1_7b_lora")
-_GRPO = ("tiny_grpo", "tiny_grpo_chat", "tiny_qwen3_grpo", "qwen_grpo", "qwen_math_grpo", "qwen3_1_7b_grpo",
-         "qwen3_1_7b_grpo_thinking", "qwen3_8b_lora_grpo", "llama3_2_1b_grpo")
+_GRPO = ("tiny_grpo", "tiny_grpo_chat", "tiny_grpo_tools", "tiny_qwen3_grpo", "qwen_grpo", "qwen_math_grpo",
+         "qwen_tools_grpo", "qwen3_1_7b_grpo", "qwen3_1_7b_grpo_thinking", "qwen3_8b_lora_grpo", "llama3_2_1b_grpo")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 
 from logitless.datasets import tiny_qwen2_5_tokenizer
 from logitless.rl.chat import render_chat_prompt
-from logitless.rl.prompts import TINY_CHAT_FILES, PromptDataset, prompt_dataset
+from logitless.rl.prompts import PROMPT_KEYS, TINY_CHAT_FILES, PromptDataset, prompt_dataset
 from logitless.rl.rewards import build_reward_specs, compute_rewards
 
 
@@ -83,7 +83,7 @@ def _uses_columns(prompts, completions, a, b, **kwargs):
 def test_every_column_reaches_the_rewards(tok):
     ds = prompt_dataset(tok, data_files=TINY_CHAT_FILES["train"])
     rows = [ds[i] for i in range(4)]
-    fields = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_tokens")}
+    fields = {k: [r[k] for r in rows] for k in rows[0] if k not in PROMPT_KEYS}
     completions = [str(r["a"] + r["b"]) if i % 2 else "0" for i, r in enumerate(rows)]
     specs = build_reward_specs([{"function": _uses_columns, "name": "sum"},
                                 {"function": "logitless.rl.rewards.math_correctness"}])

@@ -250,6 +250,25 @@ def test_completion_ids_is_given_by_the_recipe_not_read_from_the_dataset():
     assert kept is ds and report.columns == ()
 
 
+def _reads_the_conversation(prompts, completions, conversation, environment_info, **kwargs):
+    return [float(len(c)) for c in conversation]
+
+
+def test_a_reward_may_read_the_columns_a_tool_rollout_adds():
+    """``conversation`` and ``environment_info`` come from the sampler when it runs tool turns
+    (``PolicySampler.reward_columns``), never from the dataset; without tool turns they are missing."""
+    from logitless.generation.policy_sampler import TRAJECTORY_COLUMNS
+    from logitless.rl.preflight import check_reward_columns
+
+    ds = PromptDataset(["p0"], [[1]], {"answer": ["1"]})
+    kept, report = check_reward_columns(ds, _specs(_reads_the_conversation), on_missing_answer="error",
+                                        rollout_columns=("completion_ids", *TRAJECTORY_COLUMNS))
+    assert kept is ds and report.columns == ()
+    with pytest.raises(ConfigError, match=r"'_reads_the_conversation' reads the column 'conversation', which dataset "
+                                          r"\(dataset\) does not have; its columns are \['answer'\]"):
+        check_reward_columns(ds, _specs(_reads_the_conversation), on_missing_answer="error")
+
+
 class _Stop(Exception):
     pass
 

@@ -20,7 +20,9 @@ sampler, the compiled sampler and its decode kernels, and the GRPO recipe's poli
 - :mod:`~logitless.generation.policy_sampler`: :class:`PolicySampler`, what a GRPO recipe samples its
   policy with (one device or sharded);
 - :mod:`~logitless.generation.kernels`: the compiled sampler's Triton decode kernels (attention,
-  rotary embedding and cache write, the counter-based draw).
+  rotary embedding and cache write, the counter-based draw);
+- :mod:`~logitless.generation.tools`: tool and environment turns (multi-turn rollouts): tool schemas,
+  tool-call parsing, chat formats with tools, the tool executor and the eager turn sampler.
 
 Example:
     >>> from logitless.generation import SamplerConfig, build_sampler

@@ -25,10 +25,18 @@ from torch import nn
 from logitless.generation.builder import build_sampler, uses_rollout_copy
 from logitless.generation.config import SamplerConfig, check_stop_tokens
 from logitless.generation.result import Rollout
+from logitless.generation.tools.config import ToolTurns, build_tool_turns
+from logitless.generation.tools.eager import generate_turns
+from logitless.rl.prompts import PROMPT_KEYS
 from logitless.rl.rewards import COMPLETION_IDS
 from logitless.training import model as model_utils
 from logitless.training.distributed import Runtime
 from logitless.training.preflight import model_limits
+
+
+#: What a tool rollout adds to the reward functions' keyword arguments: each trajectory's messages
+#: and its environment's info.
+TRAJECTORY_COLUMNS = ("conversation", "environment_info")
 
 
 class PolicySampler:
@@ -43,11 +51,15 @@ class PolicySampler:
         rollout_copy (bool): sample through an unsharded copy (:meth:`build_rollout_copy` builds it).
         max_seq_len (Optional[int]): the longest sequence the sampler can run (model and
             ``generation.max_cache_len``); None when unknown.
+        turns (Optional[ToolTurns]): tool / environment turns: every call samples multi-turn
+            trajectories with the eager turn sampler (:func:`~logitless.generation.tools.eager.generate_turns`).
     """
 
     def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, config: SamplerConfig, tokenizer: Any,
-                 runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None):
+                 runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None,
+                 turns: Optional[ToolTurns] = None):
         self.sample_fn, self.eval_sample_fn, self.config = sample_fn, eval_sample_fn, config
+        self.turns = turns
         self.tokenizer, self.runtime = tokenizer, runtime
         self.pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else 0
         self.rollout_copy, self.max_seq_len = rollout_copy, max_seq_len
@@ -68,7 +80,8 @@ class PolicySampler:
             PolicySampler: the sampler.
 
         Raises:
-            ConfigError: a bad ``generation`` value, or a stop token outside the model's vocabulary.
+            ConfigError: a bad ``generation`` value, a stop token outside the model's vocabulary, or
+                tool turns that do not fit the tokenizer (:func:`~logitless.generation.tools.config.build_tool_turns`).
         """
         config = SamplerConfig.from_config(cfg.generation)
         limits = model_limits(cfg.model)
@@ -83,11 +96,17 @@ class PolicySampler:
         return cls(sample_fn, eval_sample_fn, config, tokenizer, runtime,
                    rollout_copy=uses_rollout_copy(config, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload),
-                   max_seq_len=min(known) if known else None)
+                   max_seq_len=min(known) if known else None,
+                   turns=build_tool_turns(cfg, tokenizer, config.stop_tokens))
 
     @property
     def max_new_tokens(self) -> int:
         return self.config.max_new_tokens
+
+    @property
+    def reward_columns(self) -> Tuple[str, ...]:
+        """The keyword arguments :meth:`sample` adds to a row's columns for the reward functions."""
+        return (COMPLETION_IDS,) + (TRAJECTORY_COLUMNS if self.turns is not None else ())
 
     def build_rollout_copy(self, model_cfg: DictConfig, *, dtype: torch.dtype, seed: int) -> None:
         """Builds the unsharded copy the policy is sampled through, when the sampler uses one."""
@@ -126,17 +145,31 @@ class PolicySampler:
         Returns:
             Tuple: the rollout, and per completion (in rollout order) its prompt text, its decoded
             text and the row's other columns (``{column: [value, ...]}``) with ``completion_ids``
-            (its token ids, stop token included): the reward functions' keyword arguments.
+            (its token ids, stop token included): the reward functions' keyword arguments. With tool
+            turns the text is the model's last turn, ``completion_ids`` the tokens it sampled (every
+            turn), and the columns add each trajectory's ``conversation`` (its messages) and
+            ``environment_info``.
         """
-        sample = self.eval_sample_fn if evaluation else self.sample_fn
         model = self.rollout_model if self.rollout_model is not None else policy
+        fields = {k: [r[k] for r in rows for _ in range(num_generations)] for k in rows[0] if k not in PROMPT_KEYS}
+        if self.turns is not None:
+            session = self.turns.session(rows, num_generations)
+            rollout = generate_turns(model, session, pad_id=self.pad_id, generator=generator,
+                                     prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                                     **self.config.sampling_args(**overrides))
+            conversation, info = TRAJECTORY_COLUMNS
+            fields[conversation] = [t.messages for t in rollout.trajectories]
+            fields[info] = [t.info for t in rollout.trajectories]
+            fields[COMPLETION_IDS] = [t[m].tolist() for t, m in zip(rollout.completion_tokens.cpu(),
+                                                                    rollout.loss_mask.cpu())]
+            prompts = [text for text in session.prompt_texts for _ in range(num_generations)]
+            return rollout, prompts, [t.final_answer for t in rollout.trajectories], fields
+        sample = self.eval_sample_fn if evaluation else self.sample_fn
         rollout = sample(model, [r["prompt_tokens"] for r in rows], num_generations=num_generations,
                          pad_id=self.pad_id, generator=generator, **self.config.sampling_args(**overrides))
         completion_ids = [t[m].tolist() for t, m in zip(rollout.completion_tokens.cpu(), rollout.completion_mask.cpu())]
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
         prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-        fields = {k: [r[k] for r in rows for _ in range(num_generations)]
-                  for k in rows[0] if k not in ("prompt", "prompt_tokens")}
         # the sampled token ids reach every reward function too (TRL's keyword): token-length rewards
         return rollout, prompts, texts, {**fields, COMPLETION_IDS: completion_ids}
 

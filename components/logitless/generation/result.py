@@ -1,7 +1,7 @@
 """What a sampler returns (:class:`Rollout`) and how prompts are batched for it (:func:`left_pad`)."""
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,6 +23,11 @@ class Rollout:
             masked): the quantity the training path recomputes as old log-probs, so their ratio is
             the sampler-trainer mismatch alone (``GRPOLoss``'s ``sampler_correction``).
         num_generations (int): G.
+        sampled_mask (Optional[torch.Tensor]): ``(N, T)`` bool, True at the tokens the policy sampled;
+            False at tokens a multi-turn rollout appended (tool answers, environment messages, chat
+            headers), which are context only. None: every completion token was sampled (one turn).
+        trajectories (Optional[list]): per row, the conversation, environment info and counters of a
+            multi-turn rollout (:class:`~logitless.generation.tools.session.Trajectory`); None for one turn.
     """
 
     prompt_tokens: torch.Tensor
@@ -32,6 +37,25 @@ class Rollout:
     truncated: torch.Tensor
     sampler_log_probs: torch.Tensor
     num_generations: int
+    sampled_mask: Optional[torch.Tensor] = None
+    trajectories: Optional[list] = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``(N, T)`` bool: the completion tokens the policy sampled, the only ones the loss, its
+        entropy, KL and importance-weight statistics count. ``completion_mask`` itself for a
+        one-turn rollout; ``completion_mask & sampled_mask`` when turns appended context tokens.
+
+        Example:
+            >>> r = Rollout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+            ...             torch.zeros(1, 3, dtype=torch.long), torch.tensor([[True, True, True]]),
+            ...             torch.tensor([False]), torch.zeros(1, 3), 1, sampled_mask=torch.tensor([[True, False, True]]))
+            >>> r.loss_mask.tolist()
+            [[True, False, True]]
+        """
+        if self.sampled_mask is None:
+            return self.completion_mask
+        return self.completion_mask & self.sampled_mask
 
     @property
     def completion_lengths(self) -> torch.Tensor:

@@ -78,8 +78,8 @@ def pack_groups(
     Args:
         prompts (List[torch.Tensor]): B unpadded 1-D prompts (each at least one token).
         completions (torch.Tensor): ``[B, G, Lc]`` completion tokens, right-padded.
-        completion_mask (torch.Tensor): ``[B, G, Lc]`` bool, True on real completion tokens (a prefix
-            of each row).
+        completion_mask (torch.Tensor): ``[B, G, Lc]`` bool, True on the completion tokens that get a
+            target (the rest, padding or context tokens, get ``ignore_index``; attention covers every column).
         pad_id (int): token id written at padding positions.
         ignore_index (int): target value at padded completion positions.
         seq_len (Optional[int]): packed length; default ``max(Lp) + G * Lc``.

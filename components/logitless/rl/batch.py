@@ -118,7 +118,9 @@ def policy_batch(rollout: Rollout, ignore_index: int = -100) -> PolicyBatch:
     n, s = tokens.shape
     p = rollout.prompt_tokens.shape[1]
     targets = torch.full_like(tokens, ignore_index)
-    targets[:, p:] = torch.where(rollout.completion_mask, rollout.completion_tokens,
+    # labels only where the policy sampled the token (Rollout.loss_mask): tool and environment tokens
+    # are context, attended to but never trained on
+    targets[:, p:] = torch.where(rollout.loss_mask, rollout.completion_tokens,
                                  torch.full_like(rollout.completion_tokens, ignore_index))
     labels = shift_labels(targets, ignore_index=ignore_index)
     if bool(rollout.prompt_mask.all()):

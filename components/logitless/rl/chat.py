@@ -15,7 +15,7 @@ model was tuned with it.
 
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ROLES", "is_conversation", "render_chat_prompt", "to_messages"]
+__all__ = ["ROLES", "chat_messages", "is_conversation", "render_chat_prompt", "to_messages"]
 
 #: Roles a prompt may hold (an earlier assistant turn is allowed, e.g. a few-shot example).
 ROLES = ("system", "user", "assistant")
@@ -26,9 +26,10 @@ def is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) for m in prompt)
 
 
-def to_messages(prompt: Sequence[Mapping[str, Any]], *, system_prompt: Optional[str] = None,
-                where: str = "prompt") -> list:
-    """Validated torchtune ``Message`` objects of a conversational prompt, with an open assistant turn.
+def chat_messages(prompt: Sequence[Mapping[str, Any]], *, system_prompt: Optional[str] = None,
+                  where: str = "prompt") -> List[dict]:
+    """The validated messages of a conversational prompt, as ``{"role", "content"}`` dicts (what a
+    chat template or an environment's ``reset`` takes), with ``system_prompt`` first when it has none.
 
     Args:
         prompt (Sequence[Mapping]): ``[{"role": ..., "content": str}, ...]``; the last message must be
@@ -37,18 +38,16 @@ def to_messages(prompt: Sequence[Mapping[str, Any]], *, system_prompt: Optional[
         where (str): names the row in error messages.
 
     Returns:
-        list: ``torchtune.data.Message`` objects, ending with an empty assistant message.
+        List[dict]: the messages (no open assistant turn).
 
     Raises:
         ValueError: naming the row and message for an unknown role, non-string content, an empty
             conversation or one that does not end with a user turn.
 
     Example:
-        >>> [m.role for m in to_messages([{"role": "user", "content": "1+1="}], system_prompt="Be brief.")]
-        ['system', 'user', 'assistant']
+        >>> chat_messages([{"role": "user", "content": "1+1="}], system_prompt="Be brief.")[0]
+        {'role': 'system', 'content': 'Be brief.'}
     """
-    from torchtune.data import Message
-
     if not prompt:
         raise ValueError(f"{where}: a conversational prompt needs at least one message, got an empty list")
     messages = []
@@ -58,12 +57,33 @@ def to_messages(prompt: Sequence[Mapping[str, Any]], *, system_prompt: Optional[
             raise ValueError(f"{where}[{i}].role: expected one of {ROLES}, got {role!r}")
         if not isinstance(content, str):
             raise ValueError(f"{where}[{i}].content: expected a string, got {type(content).__name__}")
-        messages.append(Message(role=role, content=content))
-    if messages[-1].role != "user":
+        messages.append({"role": role, "content": content})
+    if messages[-1]["role"] != "user":
         raise ValueError(f"{where}: the last message must be the user's turn (the completion answers it), "
-                         f"got role {messages[-1].role!r}")
-    if system_prompt and messages[0].role != "system":
-        messages.insert(0, Message(role="system", content=system_prompt))
+                         f"got role {messages[-1]['role']!r}")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def to_messages(prompt: Sequence[Mapping[str, Any]], *, system_prompt: Optional[str] = None,
+                where: str = "prompt") -> list:
+    """Validated torchtune ``Message`` objects of a conversational prompt, with an open assistant turn.
+
+    Args:
+        prompt, system_prompt, where: as :func:`chat_messages` (which validates them).
+
+    Returns:
+        list: ``torchtune.data.Message`` objects, ending with an empty assistant message.
+
+    Example:
+        >>> [m.role for m in to_messages([{"role": "user", "content": "1+1="}], system_prompt="Be brief.")]
+        ['system', 'user', 'assistant']
+    """
+    from torchtune.data import Message
+
+    messages = [Message(role=m["role"], content=m["content"])
+                for m in chat_messages(prompt, system_prompt=system_prompt, where=where)]
     return messages + [Message(role="assistant", content="")]
 
 

@@ -4,7 +4,9 @@ Every ``log_completions_every_n_steps`` steps the first ``log_completions_num_ro
 the step (whole groups first, in batch order; on several ranks, rank 0's share) are
 
 - appended to ``<output_dir>/logs/completions.jsonl``, one JSON object per completion:
-  ``{"step", "prompt", "completion", "<reward name>"..., "reward", "advantage"}``;
+  ``{"step", "prompt", "completion", "<reward name>"..., "reward", "advantage"}``, and for a
+  multi-turn rollout ``"turns"``: each message after the prompt (the model's turns with their tool
+  calls, the tool and environment answers), ``completion`` being the model's last turn;
 - handed to the configured torchtune metric logger: a ``wandb.Table`` for ``WandBLogger``, a
   Markdown table (``add_text``) for ``TensorBoardLogger``, and one ``Completions step N | {json}``
   line per row for ``DiskLogger`` (its log file) and ``StdoutLogger`` (these lines never start
@@ -34,7 +36,8 @@ TEXT_PREFIX = "Completions step"
 
 def completion_rows(step: int, prompts: Sequence[str], completions: Sequence[str],
                     rewards: Mapping[str, torch.Tensor], advantages: torch.Tensor,
-                    num_rows: Optional[int] = None) -> List[Dict[str, Any]]:
+                    num_rows: Optional[int] = None,
+                    turns: Optional[Sequence[List[Dict[str, Any]]]] = None) -> List[Dict[str, Any]]:
     """The table's rows: one dict per completion, rewards under their configured names.
 
     Args:
@@ -45,9 +48,11 @@ def completion_rows(step: int, prompts: Sequence[str], completions: Sequence[str
             is written as ``reward``.
         advantages (torch.Tensor): ``(N,)`` advantages of these completions.
         num_rows (Optional[int]): keep the first rows only (None: all).
+        turns (Optional[Sequence[List[Dict]]]): per completion of a multi-turn rollout, the messages
+            after its prompt (``Trajectory.turn_messages``).
 
     Returns:
-        List[Dict[str, Any]]: ``{"step", "prompt", "completion", <name>..., "reward", "advantage"}``.
+        List[Dict[str, Any]]: ``{"step", "prompt", "completion", <name>..., "reward", "advantage"[, "turns"]}``.
 
     Example:
         >>> completion_rows(1, ["1+1="], ["2"], {"math_correctness": torch.ones(1), "total": torch.ones(1)},
@@ -55,7 +60,8 @@ def completion_rows(step: int, prompts: Sequence[str], completions: Sequence[str
         1.0
     """
     n = len(completions)
-    if len(prompts) != n or len(advantages) != n or any(len(v) != n for v in rewards.values()):
+    if (len(prompts) != n or len(advantages) != n or any(len(v) != n for v in rewards.values())
+            or (turns is not None and len(turns) != n)):
         raise ValueError(f"completion table: {len(prompts)} prompts, {n} completions, {len(advantages)} advantages "
                          f"and rewards of lengths {[len(v) for v in rewards.values()]}; expected one each")
     names = [k for k in rewards if k != "total"]
@@ -67,8 +73,20 @@ def completion_rows(step: int, prompts: Sequence[str], completions: Sequence[str
         row.update({k: values[k][i] for k in names})
         row["reward"] = values["total"][i] if "total" in values else sum(values[k][i] for k in names)
         row["advantage"] = adv[i]
+        if turns is not None:
+            row["turns"] = [_turn(m) for m in turns[i]]
         rows.append(row)
     return rows
+
+
+def _turn(message: Mapping[str, Any]) -> Dict[str, Any]:
+    """A message as the table shows it: role, content, and the tool calls and call errors it made."""
+    out = {"role": message.get("role"), "content": message.get("content", "")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [c.get("function", c) for c in message["tool_calls"]]
+    if message.get("tool_call_errors"):
+        out["tool_call_errors"] = list(message["tool_call_errors"])
+    return out
 
 
 def read_completions(path: str) -> List[Dict[str, Any]]:
@@ -110,7 +128,8 @@ def log_table(metric_logger: Any, step: int, rows: List[Dict[str, Any]]) -> None
         wandb = getattr(metric_logger, "_wandb", None)
         if wandb is not None and wandb.run is not None:
             cols = list(rows[0])
-            wandb.log({"completions": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows]),
+            cell = lambda v: json.dumps(v, ensure_ascii=False) if isinstance(v, list) else v  # noqa: E731 (turns)
+            wandb.log({"completions": wandb.Table(columns=cols, data=[[cell(r[c]) for c in cols] for r in rows]),
                        "global_step": step})
     elif kind == "TensorBoardLogger":
         writer = getattr(metric_logger, "_writer", None)
@@ -153,13 +172,15 @@ class CompletionLogger:
         return self.enabled and step % self.every_n_steps == 0
 
     def log(self, step: int, prompts: Sequence[str], completions: Sequence[str],
-            rewards: Mapping[str, torch.Tensor], advantages: torch.Tensor) -> List[Dict[str, Any]]:
-        """Appends the table of step ``step`` to the JSONL file and hands it to the metric logger.
+            rewards: Mapping[str, torch.Tensor], advantages: torch.Tensor,
+            turns: Optional[Sequence[List[Dict[str, Any]]]] = None) -> List[Dict[str, Any]]:
+        """Appends the table of step ``step`` to the JSONL file and hands it to the metric logger
+        (``turns``: see :func:`completion_rows`).
 
         Returns:
             List[Dict[str, Any]]: the rows written.
         """
-        rows = completion_rows(step, prompts, completions, rewards, advantages, self.num_rows)
+        rows = completion_rows(step, prompts, completions, rewards, advantages, self.num_rows, turns)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             for r in rows:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from logitless.generation.builder import build_sampler
 from logitless.generation.config import SamplerConfig
+from logitless.generation.tools.config import TURN_KEYS, check_turn_config
 from logitless.losses import GRPOLoss
 from logitless.rl.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS, advantage_settings
 from logitless.rl.preflight import ON_MISSING_ANSWER
@@ -80,6 +81,7 @@ GRPO_SCHEMA: Dict[str, Key] = {
                                     "(TR-DPO; null: a fixed reference)"),
     "ref_model_mixup_alpha": Key(float, default=0.6, doc="alpha of ref_model_sync_steps, in (0, 1]"),
     "generation": Key(object, doc="{max_new_tokens, temperature, top_k, top_p, stop_tokens}"),
+    **TURN_KEYS,
     "clip_grad_norm": Key((float, None), default=None),
     "max_consecutive_skipped_steps": Key((int, None), default=3, min=1,
                                          doc="an optimizer step with a NaN/inf gradient norm or loss is skipped; "
@@ -116,7 +118,8 @@ GRPO_SCHEMA: Dict[str, Key] = {
 # data_fingerprint.dataset: the training data files' sizes and hashes (training.data_fingerprint).
 GRPO_FIXED_ON_RESUME = ("seed", "prompts_per_step", "num_generations", "dataset", "tokenizer", "model", "model_init",
                         "dtype", "optimizer._component_", "lr_scheduler._component_", "checkpointer.checkpoint_dir",
-                        "checkpointer.checkpoint_files", "checkpointer.model_type", f"{FINGERPRINT_KEY}.dataset")
+                        "checkpointer.checkpoint_files", "checkpointer.model_type", f"{FINGERPRINT_KEY}.dataset",
+                        "tools", "environment")
 
 
 def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_size: int = 1) -> DictConfig:
@@ -179,6 +182,13 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
                       cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
+    if check_turn_config(cfg) is not None:
+        if sampler_config.backend == "compiled":
+            raise ConfigError("config key 'generation.backend': 'compiled' does not run tool or environment turns; "
+                              "use eager or auto (tool turns always sample with the eager turn sampler)")
+        if cfg.on_too_long == "truncate":
+            raise ConfigError("config key 'on_too_long': 'truncate' cannot cut a tool rollout's prompt (it is rendered "
+                              "from its messages at every step); use drop or error")
     if cfg.eval_every_n_steps is not None and cfg.eval_dataset is None:
         raise ConfigError("config key 'eval_dataset': required when eval_every_n_steps is set")
     build_reward_specs(OmegaConf.to_container(cfg.rewards, resolve=True))  # names the bad entry

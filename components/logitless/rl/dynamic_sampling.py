@@ -48,7 +48,9 @@ __all__ = ["GroupFill", "ScoredRollout", "concat_rollouts", "groups_with_spread"
 # completions right-padded. A field missing here is refused (its padding would be a guess).
 _LEFT, _RIGHT = "left", "right"
 _ROW_FIELDS = {"prompt_tokens": _LEFT, "prompt_mask": _LEFT, "completion_tokens": _RIGHT,
-               "completion_mask": _RIGHT, "sampler_log_probs": _RIGHT, "truncated": None}
+               "completion_mask": _RIGHT, "sampler_log_probs": _RIGHT, "truncated": None, "sampled_mask": _RIGHT}
+# Per-row fields that are Python lists (a multi-turn rollout's trajectories), None in other rollouts.
+_ROW_LISTS = ("trajectories",)
 
 
 @dataclass
@@ -88,14 +90,15 @@ def groups_with_spread(rewards: torch.Tensor, num_generations: int) -> torch.Ten
 
 
 def _check_fields(rollout: Rollout) -> None:
-    unknown = [f.name for f in fields(rollout) if f.name not in _ROW_FIELDS and f.name != "num_generations"]
+    unknown = [f.name for f in fields(rollout)
+               if f.name not in _ROW_FIELDS and f.name not in _ROW_LISTS and f.name != "num_generations"]
     if unknown:
         raise TypeError(f"dynamic sampling does not know how to pad the Rollout field(s) {unknown}; "
                         f"add them to logitless.rl.dynamic_sampling._ROW_FIELDS")
 
 
-def _pad(t: torch.Tensor, width: int, side: Optional[str], value) -> torch.Tensor:
-    if side is None or t.shape[1] == width:
+def _pad(t: Optional[torch.Tensor], width: int, side: Optional[str], value) -> Optional[torch.Tensor]:
+    if t is None or side is None or t.shape[1] == width:  # None: an optional field this rollout lacks
         return t
     fill = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
     return torch.cat([fill, t] if side == _LEFT else [t, fill], dim=1)
@@ -129,7 +132,23 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     pw = max(r.prompt_tokens.shape[1] for r in rollouts)
     cw = max(r.completion_tokens.shape[1] for r in rollouts)
     padded = [_padded(r, pw, cw, pad_id) for r in rollouts]
-    return replace(padded[0], **{name: torch.cat([getattr(r, name) for r in padded]) for name in _ROW_FIELDS})
+    return replace(padded[0], **{name: _cat([getattr(r, name) for r in padded]) for name in (*_ROW_FIELDS, *_ROW_LISTS)})
+
+
+def _cat(parts: list):
+    """The rows of ``parts`` in order: tensors concatenated, lists joined, None when every part is None."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("rollouts with and without tool turns cannot be concatenated")
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else [x for p in parts for x in p]
+
+
+def _rows(value, rows: torch.Tensor):
+    """Rows ``rows`` of a per-row field (a tensor or a list; None stays None)."""
+    if value is None:
+        return None
+    return value.index_select(0, rows) if isinstance(value, torch.Tensor) else [value[i] for i in rows.tolist()]
 
 
 def take_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
@@ -144,13 +163,15 @@ def take_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
     g = rollout.num_generations
     rows = torch.tensor([gi * g + j for gi in groups for j in range(g)], dtype=torch.long,
                         device=rollout.prompt_tokens.device)
-    picked = {name: getattr(rollout, name).index_select(0, rows) for name in _ROW_FIELDS}
+    picked = {name: _rows(getattr(rollout, name), rows) for name in (*_ROW_FIELDS, *_ROW_LISTS)}
     if rows.numel():
         real = picked["prompt_mask"].any(dim=0).nonzero()
         first = int(real[0]) if real.numel() else picked["prompt_mask"].shape[1]
         used = picked["completion_mask"].any(dim=0).nonzero()
         last = int(used[-1]) + 1 if used.numel() else 0
         for name, side in _ROW_FIELDS.items():
+            if picked[name] is None:
+                continue
             if side == _LEFT:
                 picked[name] = picked[name][:, first:]
             elif side == _RIGHT:
@@ -165,7 +186,12 @@ def _gather_rollout(rollout: Rollout, runtime: Runtime, pad_id: int) -> Rollout:
     widths = runtime.all_reduce(torch.tensor([float(rollout.prompt_tokens.shape[1]),
                                               float(rollout.completion_tokens.shape[1])]), op="max")
     padded = _padded(rollout, int(widths[0]), int(widths[1]), pad_id)
-    return replace(padded, **{name: runtime.all_gather(getattr(padded, name)) for name in _ROW_FIELDS})
+    gathered = {name: runtime.all_gather(getattr(padded, name)) for name in _ROW_FIELDS
+                if getattr(padded, name) is not None}
+    for name in _ROW_LISTS:
+        if getattr(padded, name) is not None:
+            gathered[name] = runtime.all_gather_object(getattr(padded, name))
+    return replace(padded, **gathered)
 
 
 def micro_batch_size_for(num_completions: int, configured: int, num_generations: int) -> int:

@@ -44,6 +44,60 @@ def rollout_metrics(rewards: Dict[str, torch.Tensor], lengths: torch.Tensor,
     return out
 
 
+#: Per-trajectory columns of a multi-turn rollout (:func:`turn_columns`), gathered like the rewards.
+TURN_COLUMNS = ("turns", "tool_calls", "tool_errors", "environment_errors", "tool_seconds", "sampled_tokens")
+
+
+def turn_columns(rollout) -> Dict[str, torch.Tensor]:
+    """``{name: (N,)}`` of :data:`TURN_COLUMNS` for a multi-turn rollout (empty for one turn).
+
+    Args:
+        rollout (Rollout): from a sampler; ``trajectories`` set by the turn sampler.
+
+    Returns:
+        Dict[str, torch.Tensor]: model turns, tool calls, tool errors, environment errors, tool
+        seconds and the tokens the policy sampled, per trajectory.
+    """
+    if rollout.trajectories is None:
+        return {}
+    t = rollout.trajectories
+    return {"turns": torch.tensor([float(x.turns) for x in t]),
+            "tool_calls": torch.tensor([float(x.tool_calls) for x in t]),
+            "tool_errors": torch.tensor([float(x.tool_errors) for x in t]),
+            "environment_errors": torch.tensor([float(x.environment_errors) for x in t]),
+            "tool_seconds": torch.tensor([float(x.tool_seconds) for x in t]),
+            "sampled_tokens": rollout.loss_mask.sum(1).float().cpu()}
+
+
+def turn_metrics(columns: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """The logged metrics of gathered :func:`turn_columns` (the whole batch).
+
+    Returns:
+        Dict[str, float]: ``turns/mean|max``, ``tools/calls_per_row``, ``tools/errors_per_row``,
+        ``tools/error_rate`` (errors per call; 0 without calls), ``tools/environment_errors`` (total),
+        ``tools/seconds_per_row`` (environment step time), ``tools/seconds_total``,
+        ``sampled_tokens/mean`` (the policy's own tokens; the rest of ``completion_length`` is context).
+
+    Example:
+        >>> turn_metrics({"turns": torch.tensor([1., 3.]), "tool_calls": torch.tensor([0., 2.]),
+        ...               "tool_errors": torch.tensor([0., 1.]), "environment_errors": torch.zeros(2),
+        ...               "tool_seconds": torch.tensor([0., .5]), "sampled_tokens": torch.tensor([4., 9.])}
+        ...              )["tools/error_rate"]
+        0.5
+    """
+    if not columns:
+        return {}
+    calls = float(columns["tool_calls"].sum())
+    return {"turns/mean": float(columns["turns"].mean()), "turns/max": float(columns["turns"].max()),
+            "tools/calls_per_row": float(columns["tool_calls"].mean()),
+            "tools/errors_per_row": float(columns["tool_errors"].mean()),
+            "tools/error_rate": float(columns["tool_errors"].sum()) / calls if calls else 0.0,
+            "tools/environment_errors": float(columns["environment_errors"].sum()),
+            "tools/seconds_per_row": float(columns["tool_seconds"].mean()),
+            "tools/seconds_total": float(columns["tool_seconds"].sum()),
+            "sampled_tokens/mean": float(columns["sampled_tokens"].mean())}
+
+
 def gather_columns(columns: Dict[str, torch.Tensor], all_gather: Callable[[torch.Tensor], torch.Tensor]
                    ) -> Dict[str, torch.Tensor]:
     """Every rank's per-completion values, in batch order, with one collective for all columns.

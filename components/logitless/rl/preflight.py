@@ -24,14 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from logitless.rl.prompts import PROMPT_KEYS
 from logitless.rl.rewards import COMPLETION_IDS, RewardSpec, reward_columns
 from logitless.training.config import ConfigError
 from logitless.training.preflight import ON_TOO_LONG, RowSubset
 
 #: What a GRPO recipe does with a prompt whose answer (a column a reward needs) is missing or empty.
 ON_MISSING_ANSWER = ("drop", "error")
-#: Row keys that are the prompt itself, not columns handed to the rewards.
-PROMPT_KEYS = ("prompt", "prompt_tokens")
 
 
 def _blank(v: Any) -> bool:
@@ -69,7 +68,8 @@ class AnswerReport:
 
 
 def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_missing_answer: str,
-                         key: str = "dataset") -> Tuple[Any, AnswerReport]:
+                         key: str = "dataset", rollout_columns: Sequence[str] = (COMPLETION_IDS,)
+                         ) -> Tuple[Any, AnswerReport]:
     """Checks that every reward finds its columns in ``dataset``, and counts the prompts whose needed
     values are missing or empty.
 
@@ -78,6 +78,9 @@ def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_miss
         rewards (Sequence[RewardSpec]): the run's rewards (:func:`~logitless.rl.rewards.build_reward_specs`).
         on_missing_answer (str): ``"drop"`` (keep the other prompts, counted) or ``"error"``.
         key (str): the dataset's config key, for messages.
+        rollout_columns (Sequence[str]): the keyword arguments the sampler adds to the dataset's
+            columns (``PolicySampler.reward_columns``: the sampled token ids; with tool turns the
+            conversation and the environment's info too).
 
     Returns:
         Tuple[Any, AnswerReport]: the dataset to sample from (the same object when nothing is dropped)
@@ -98,7 +101,7 @@ def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_miss
                           f"got {on_missing_answer!r}")
     n = len(dataset)
     columns = [c for c in dataset[0] if c not in PROMPT_KEYS] if n else []
-    given = columns + [COMPLETION_IDS]  # the recipe passes the sampled token ids too
+    given = columns + [c for c in rollout_columns if c not in columns]
     source = getattr(dataset, "source", "") or key
     needed: List[str] = []
     for i, spec in enumerate(rewards):
@@ -111,7 +114,7 @@ def check_reward_columns(dataset: Any, rewards: Sequence[RewardSpec], *, on_miss
         extra = [c for c in given if accepted is not None and c not in accepted]
         if extra:
             raise ConfigError(f"config key 'rewards[{i}].function': {spec.name!r} is given every column of {key} and "
-                              f"{COMPLETION_IDS!r} as keyword arguments, but takes none named {extra[0]!r}; expected a "
+                              f"{', '.join(map(repr, rollout_columns))} as keyword arguments, but takes none named {extra[0]!r}; expected a "
                               f"signature ending in **kwargs (f(prompts, completions, "
                               f"{', '.join(required + ('**kwargs',))}))")
         needed += [c for c in required if c not in needed and c in columns]

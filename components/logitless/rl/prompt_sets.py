@@ -45,7 +45,8 @@ def build_prompt_datasets(cfg: DictConfig) -> Tuple[Any, Any, Optional[Any]]:
 
 
 def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, rewards: Sequence[RewardSpec],
-                max_seq_len: Optional[int], max_new_tokens: int, log: bool) -> Optional[Any]:
+                max_seq_len: Optional[int], max_new_tokens: int, log: bool,
+                rollout_columns: Sequence[str] = (COMPLETION_IDS,)) -> Optional[Any]:
     """``dataset`` with every prompt holding the values the rewards read (``on_missing_answer``) and
     fitted to ``max_seq_len - max_new_tokens`` (``on_too_long``).
 
@@ -57,6 +58,8 @@ def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, rewards: S
         max_seq_len (Optional[int]): the longest sequence the sampler runs (None: unknown).
         max_new_tokens (int): completion length.
         log (bool): log the counts (rank 0).
+        rollout_columns (Sequence[str]): what the sampler adds to the rewards' keyword arguments
+            (``PolicySampler.reward_columns``).
 
     Returns:
         Optional[Any]: the dataset to sample from.
@@ -70,7 +73,8 @@ def fit_prompts(dataset: Optional[Any], key: str, cfg: DictConfig, *, rewards: S
     if len(dataset) and COMPLETION_IDS in dataset[0]:
         raise ConfigError(f"config key {key!r}: its rows have a column {COMPLETION_IDS!r}, the name under which the "
                           f"reward functions receive the sampled token ids; rename the column")
-    dataset, answers = check_reward_columns(dataset, rewards, on_missing_answer=cfg.on_missing_answer, key=key)
+    dataset, answers = check_reward_columns(dataset, rewards, on_missing_answer=cfg.on_missing_answer, key=key,
+                                            rollout_columns=rollout_columns)
     dataset, lengths = fit_prompt_dataset(dataset, max_seq_len=max_seq_len, max_new_tokens=max_new_tokens,
                                           on_too_long=cfg.on_too_long, key=key)
     if log:

@@ -5,7 +5,9 @@ as chat rows), and random-token prompts for random-weight runs.
 Every dataset yields rows ``{"prompt_tokens": list[int], "prompt": str, **fields}``: ``prompt`` is
 the text the policy is given (its chat-template rendering for conversational prompts) and the
 fields are the dataset's other columns, every one handed to the reward functions as a keyword
-argument (TRL's convention). Prompts longer than ``max_prompt_tokens``
+argument (TRL's convention). A conversational prompt's row also holds its chat messages
+(``prompt_messages``: ``[{"role", "content"}, ...]``, the system prompt included), what a tool
+rollout renders with the tools (:mod:`logitless.generation.tools`). Prompts longer than ``max_prompt_tokens``
 are dropped (``overflow="skip"``), cut from the left keeping the end of the prompt where the
 question and the generation header are (``"truncate"``), or rejected (``"error"``): never mangled
 silently.
@@ -18,11 +20,14 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch.utils.data import Dataset
 
 from logitless.datasets._files import check_encoding, data_files_problem
-from logitless.rl.chat import is_conversation, render_chat_prompt
+from logitless.rl.chat import chat_messages, is_conversation, render_chat_prompt
 
 #: Row keys that are not dataset columns, and the reward functions' own argument names: a column
 #: may not take them (it would shadow the prompt or a positional argument of every reward).
-RESERVED_COLUMNS = ("prompt", "prompt_tokens", "prompts", "completions")
+RESERVED_COLUMNS = ("prompt", "prompt_tokens", "prompt_messages", "prompts", "completions", "conversation",
+                    "environment_info")
+#: Row keys that are not handed to the reward functions.
+PROMPT_KEYS = ("prompt", "prompt_tokens", "prompt_messages")
 
 DEFAULT_GSM8K_SYSTEM_PROMPT = (
     "You are a helpful math assistant. Solve the problem step by step, then give the final "
@@ -46,6 +51,8 @@ class PromptDataset(Dataset):
         max_prompt_tokens (Optional[int]): length limit.
         overflow (str): ``"skip" | "truncate" | "error"`` for prompts over the limit.
         source (str): where the prompts come from (a file or hub id), named in error messages.
+        messages (Optional[Sequence[Optional[list]]]): each prompt's chat messages (None: not a chat),
+            kept as the row's ``prompt_messages``.
 
     Example:
         >>> ds = PromptDataset(["1+1="], [[16, 10, 16, 28]], {"answer": ["2"]})
@@ -55,7 +62,8 @@ class PromptDataset(Dataset):
 
     def __init__(self, prompts: Sequence[str], prompt_tokens: Sequence[Sequence[int]],
                  fields: Optional[Dict[str, Sequence[Any]]] = None, *,
-                 max_prompt_tokens: Optional[int] = None, overflow: str = "skip", source: str = ""):
+                 max_prompt_tokens: Optional[int] = None, overflow: str = "skip", source: str = "",
+                 messages: Optional[Sequence[Optional[list]]] = None):
         if overflow not in _OVERFLOW:
             raise ValueError(f"overflow must be one of {_OVERFLOW}, got {overflow!r}")
         fields = dict(fields or {})
@@ -68,6 +76,8 @@ class PromptDataset(Dataset):
                 raise ValueError(f"field {key!r} has {len(values)} values, expected {len(prompts)}")
         if len(prompt_tokens) != len(prompts):
             raise ValueError(f"got {len(prompt_tokens)} token lists for {len(prompts)} prompts")
+        if messages is not None and len(messages) != len(prompts):
+            raise ValueError(f"got {len(messages)} message lists for {len(prompts)} prompts")
         self.rows: List[Dict[str, Any]] = []
         self.source = source
         self.num_skipped = self.num_truncated = 0
@@ -85,8 +95,10 @@ class PromptDataset(Dataset):
                     continue
                 toks = toks[-max_prompt_tokens:]
                 self.num_truncated += 1
-            self.rows.append({"prompt_tokens": toks, "prompt": text,
-                              **{k: v[i] for k, v in fields.items()}})
+            row = {"prompt_tokens": toks, "prompt": text, **{k: v[i] for k, v in fields.items()}}
+            if messages is not None and messages[i] is not None:
+                row["prompt_messages"] = messages[i]
+            self.rows.append(row)
         if not self.rows:
             raise ValueError(f"no prompt is left after applying max_prompt_tokens={max_prompt_tokens} "
                              f"(overflow={overflow!r}); all {len(prompts)} were too long")
@@ -96,6 +108,10 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
         return self.rows[i]
+
+
+def _user_turn(text: str, system_prompt: Optional[str]) -> list:
+    return chat_messages([{"role": "user", "content": text}], system_prompt=system_prompt)
 
 
 def _encode(tokenizer: Any, text: str, system_prompt: Optional[str], chat: bool) -> List[int]:
@@ -182,8 +198,9 @@ def gsm8k_dataset(
     # every column reaches the reward functions (TRL's convention); the reference is always ``answer``
     fields = {c: list(raw[c]) for c in raw.column_names if c not in RESERVED_COLUMNS}
     fields["answer"] = list(raw[answer_column])
+    messages = [_user_turn(q, system_prompt) for q in questions] if chat else None
     return PromptDataset(texts, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
-                         source=where)
+                         source=where, messages=messages)
 
 
 def prompt_dataset(
@@ -248,13 +265,15 @@ def prompt_dataset(
     if num_samples is not None:
         raw = raw.select(range(min(num_samples, len(raw))))
     wrap = bool(system_prompt) if chat is None else chat
-    texts, tokens = [], []
+    texts, tokens, messages = [], [], []
     for i, prompt in enumerate(raw[prompt_column]):
         row = f"{prompt_column} of row {i} of {str(data_files or source)!r}"
         if is_conversation(prompt):
             toks, text = render_chat_prompt(tokenizer, prompt, system_prompt=system_prompt, where=row)
+            messages.append(chat_messages(prompt, system_prompt=system_prompt, where=row))
         elif isinstance(prompt, str):
             toks, text = _encode(tokenizer, prompt, system_prompt, wrap), prompt
+            messages.append(_user_turn(prompt, system_prompt) if wrap else None)
             if wrap:
                 text = tokenizer.decode(toks, skip_special_tokens=False)
         else:
@@ -270,7 +289,7 @@ def prompt_dataset(
     if answer_column is not None and answer_column != "answer":
         fields["answer"] = list(raw[answer_column])
     return PromptDataset(texts, tokens, fields, max_prompt_tokens=max_prompt_tokens, overflow=overflow,
-                         source=str(data_files or source))
+                         source=str(data_files or source), messages=messages)
 
 
 def arithmetic_pairs(max_sum: int = 9, b_values: Optional[Sequence[int]] = None) -> List[tuple]:
@@ -332,7 +351,8 @@ def arithmetic_dataset(
         pairs = pairs[len(pairs) - n_eval:] if split == "eval" else pairs[:len(pairs) - n_eval]
     texts = [template.format(a=a, b=b) for a, b in pairs]
     tokens = [_encode(tokenizer, t, system_prompt, chat) for t in texts]
-    return PromptDataset(texts, tokens, {"answer": [f"#### {a + b}" for a, b in pairs]})
+    messages = [_user_turn(t, system_prompt) for t in texts] if chat else None
+    return PromptDataset(texts, tokens, {"answer": [f"#### {a + b}" for a, b in pairs]}, messages=messages)
 
 
 def synthetic_prompt_dataset(

@@ -37,7 +37,9 @@ class SharedGroupBatch:
     Attributes:
         prompts (List[torch.Tensor]): B 1-D prompts without their left padding.
         completions (torch.Tensor): ``(B, G, T)`` completion tokens (``pad_id`` after the stop token).
-        completion_mask (torch.Tensor): ``(B, G, T)`` bool, True at real completion tokens.
+        loss_mask (torch.Tensor): ``(B, G, T)`` bool, True at the completion tokens in the loss: those the
+            policy sampled (:attr:`logitless.generation.result.Rollout.loss_mask`). Attention does not read it:
+            every completion column is context, tool and environment tokens included.
         truncated (torch.Tensor): ``(B*G,)`` bool, completions that hit the length limit.
         pad_id (int): filler token of the packed sequences.
         ignore_index (int): label of positions without a token.
@@ -49,7 +51,7 @@ class SharedGroupBatch:
 
     prompts: List[torch.Tensor]
     completions: torch.Tensor
-    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
     truncated: torch.Tensor
     pad_id: int = 0
     ignore_index: int = -100
@@ -70,8 +72,9 @@ class SharedGroupBatch:
 
     @property
     def head_labels(self) -> torch.Tensor:
-        """``(B*G, T)`` completion tokens, ``ignore_index`` at padding (row ``b*G + j``: group b, sample j)."""
-        labels = torch.where(self.completion_mask, self.completions,
+        """``(B*G, T)`` completion tokens, ``ignore_index`` outside :attr:`loss_mask` (padding, tool and
+        environment tokens) (row ``b*G + j``: group b, sample j)."""
+        labels = torch.where(self.loss_mask, self.completions,
                              torch.full_like(self.completions, self.ignore_index))
         return labels.reshape(len(self), -1)
 
@@ -92,13 +95,13 @@ class SharedGroupBatch:
         for start in range(0, len(self.prompts), k):
             stop = start + k
             yield SharedGroupBatch(self.prompts[start:stop], self.completions[start:stop],
-                                   self.completion_mask[start:stop], self.truncated[start * g:stop * g],
+                                   self.loss_mask[start:stop], self.truncated[start * g:stop * g],
                                    self.pad_id, self.ignore_index, self.attention)
 
     def pack(self, seq_len: Optional[int] = None) -> SharedPromptBatch:
         """The packed tokens, positions and mask of these groups (:func:`logitless.modules.pack_groups`;
         no dense mask on the flex path), ``seq_len`` long (default: as short as possible)."""
-        return pack_groups(self.prompts, self.completions, self.completion_mask, pad_id=self.pad_id,
+        return pack_groups(self.prompts, self.completions, self.loss_mask, pad_id=self.pad_id,
                            ignore_index=self.ignore_index, seq_len=seq_len, dense_mask=self.attention == "sdpa")
 
     def packed_length(self) -> int:
@@ -242,7 +245,7 @@ def shared_batch(rollout: Rollout, *, pad_id: int = 0, ignore_index: int = -100,
         raise ValueError("prompt sharing needs contiguous groups: the G rows of each group must hold the same prompt")
     prompts = [tokens[i, 0][masks[i, 0]] for i in range(b)]
     return SharedGroupBatch(prompts, rollout.completion_tokens.reshape(b, g, t),
-                            rollout.completion_mask.reshape(b, g, t).to(torch.bool), rollout.truncated.clone(),
+                            rollout.loss_mask.reshape(b, g, t).to(torch.bool), rollout.truncated.clone(),
                             pad_id, ignore_index, attention)
 
 

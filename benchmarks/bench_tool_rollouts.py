@@ -1,0 +1,241 @@
+"""Multi-turn (tool) rollouts against single-turn rollouts of the same length, and the update's memory.
+
+For each model (random bf16 weights), ``--rows`` rows (``rows / G`` prompts x G) sample trajectories
+of ``--turns`` model turns with the eager turn sampler
+(:func:`logitless.generation.tools.eager.generate_turns`); between turns each row's environment
+sleeps ``--latency-ms`` (a tool's latency, run on its own thread while the other rows decode) and
+answers with ``--tool-tokens`` tokens, which the sampler appends to the row's KV cache (a prefill of
+those tokens only). A turn ends at a stop token: a set holding about ``1 / --turn-tokens`` of a
+near-uniform distribution, so turns are geometric with that mean. The prompt and the tool answers
+are fixed token ids (no chat template, which costs host time only): what is measured is the sampler.
+
+Then, at the mean total completion length ``L`` the trajectories reached (their turns and the
+appended tool tokens), the single-turn samplers decode ``L`` tokens per row without stopping: the
+eager reference (``generate``, one forward per token, the same code path per token as the turn
+sampler) and the compiled sampler (``CompiledSampler``, fused projections, as ``configs/qwen_grpo.yaml``
+builds it). Reported per row of the CSV: wall seconds, completion tokens per second (sampled and
+appended), sampled tokens per second, mean turns, tool seconds per row.
+
+``--update``: one GRPO update (``GRPOLoss``, the fused head, prompt once per group, micro-batches of
+one group) on the multi-turn rollout (tool tokens masked out of the loss) and on the single-turn
+rollout of the same length: its time and peak allocated memory, next to the bytes that ``[N, T, V]``
+bf16 logits of the completions would take (which the fused head never holds).
+
+Example (H100 / H200):
+    PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models 0.5b,1.5b --rows 64 --turns 4 \\
+        --latency-ms 0,50 --update
+    PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models tiny --device cpu --rows 4 \\
+        --turn-tokens 4 --tool-tokens 3 --prompt-len 8 --no-compile   # CPU smoke test
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generation import MODELS, _sync, _table, build_model, save_rows  # noqa: E402
+
+FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "what", "sampler", "rows", "G", "prompt_len",
+          "turns", "turn_tokens", "tool_tokens", "latency_ms", "mean_turns", "mean_len", "sampled", "appended",
+          "seconds", "tokens_per_s", "sampled_per_s", "tool_s_per_row", "update_s", "peak_gib", "logits_gib",
+          "status"]
+TABLE = ["model", "what", "sampler", "latency_ms", "mean_turns", "mean_len", "seconds", "tokens_per_s",
+         "sampled_per_s", "update_s", "peak_gib", "logits_gib", "status"]
+GROUP = 8
+
+
+class FixedChat:
+    """The session's chat with fixed token ids instead of a template: every prompt is ``prompt`` and
+    every tool turn appends ``answer``; turns are not parsed (the environment decides)."""
+
+    def __init__(self, prompt, answer, end_of_turn_id):
+        self.prompt_ids, self.answer, self.end_of_turn_id = list(prompt), list(answer), end_of_turn_id
+
+    def prompt(self, messages):
+        return self.prompt_ids, ""
+
+    def parse(self, turn_ids, stop_ids=()):
+        from logitless.generation.tools import ParsedTurn
+
+        return ParsedTurn("")
+
+    def continuation(self, history, new_messages):
+        return self.answer, ""
+
+
+class LatencyEnvironment:
+    """A tool that answers after ``latency_s`` seconds, never done (``max_turns`` ends the trajectory)."""
+
+    def __init__(self, latency_s):
+        self.latency_s = latency_s
+
+    def reset(self, row):
+        return [{"role": "user", "content": "task"}]
+
+    def step(self, messages):
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return [{"role": "tool", "content": "answer"}], False, {}
+
+
+def turn_stop_tokens(vocab, turn_tokens, seed=0):
+    """Ids holding about ``1 / turn_tokens`` of a near-uniform distribution: turns of that mean length."""
+    count = max(1, round(vocab / turn_tokens))
+    perm = torch.randperm(vocab - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    return perm[:count].tolist()
+
+
+def multi_turn(model, args, latency_ms, seed):
+    """(seconds, rollout) of one multi-turn rollout."""
+    from logitless.generation.tools.eager import generate_turns
+    from logitless.generation.tools.session import TurnSession
+    from logitless.generation import prompt_generators
+
+    vocab = model.tok_embeddings.num_embeddings
+    rng = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, vocab, (args.prompt_len,), generator=rng).tolist()
+    answer = torch.randint(1, vocab, (args.tool_tokens,), generator=rng).tolist()
+    stops = turn_stop_tokens(vocab, args.turn_tokens, seed)
+    chat = FixedChat(prompt, answer, stops[0])
+    prompts = args.rows // GROUP
+    session = TurnSession(chat, lambda: LatencyEnvironment(latency_ms / 1000), [{}] * prompts,
+                          num_generations=GROUP, max_turns=args.turns, stop_ids=stops)
+    budget = args.turns * (args.turn_tokens * 4 + args.tool_tokens)  # turns rarely run out of room
+    device = next(model.parameters()).device
+    _sync(device)
+    t0 = time.perf_counter()
+    rollout = generate_turns(model, session, max_new_tokens=budget, stop_tokens=stops, pad_id=0, temperature=1.0,
+                             generator=prompt_generators(seed, 0, range(prompts), device))
+    _sync(device)
+    return time.perf_counter() - t0, rollout
+
+
+def single_turn(model, sampler, args, length, seed):
+    """(seconds, rollout) of ``length`` tokens per row without a stop."""
+    from logitless.generation import prompt_generators
+
+    vocab = model.tok_embeddings.num_embeddings
+    prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+               ] * (args.rows // GROUP)
+    device = next(model.parameters()).device
+    _sync(device)
+    t0 = time.perf_counter()
+    rollout = sampler(model, prompts, max_new_tokens=length, stop_tokens=[vocab], pad_id=0, num_generations=GROUP,
+                      temperature=1.0, generator=prompt_generators(seed, 0, range(len(prompts)), device))
+    _sync(device)
+    return time.perf_counter() - t0, rollout
+
+
+def update(model, rollout, device):
+    """(seconds, peak GiB, logits GiB) of one GRPO update on ``rollout`` (prompt once per group)."""
+    from logitless.losses.grpo import GRPOLoss
+    from logitless.rl.shared_batch import training_batch
+    from logitless.rl.update import grpo_update
+
+    model.requires_grad_(True).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss_fn = GRPOLoss(impl="auto")
+    batch = training_batch(rollout, prompt_sharing=True)
+    advantages = torch.linspace(-1, 1, len(batch), device=device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    grpo_update(model, loss_fn, optimizer, batch, advantages, micro_batch_size=GROUP)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    n, t = rollout.completion_tokens.shape
+    logits = n * t * model.tok_embeddings.num_embeddings * 2 / 2**30
+    model.requires_grad_(False).eval()
+    optimizer.zero_grad(set_to_none=True)
+    return seconds, peak, logits
+
+
+def bench_model(name, args, device):
+    from logitless.generation import CompiledSampler, generate
+
+    model = build_model(name, device)
+    base = dict(model=name, rows=args.rows, G=GROUP, prompt_len=args.prompt_len, turns=args.turns,
+                turn_tokens=args.turn_tokens, tool_tokens=args.tool_tokens, status="ok")
+    rows = []
+    multi_turn(model, argparse.Namespace(**{**vars(args), "turns": 2}), 0, seed=0)  # warm-up (allocator, kernels)
+    lengths, rollouts = [], {}
+    for latency in args.latency_ms:
+        seconds, rollout = multi_turn(model, args, latency, seed=1)
+        real = int(rollout.completion_mask.sum())
+        sampled = int(rollout.loss_mask.sum())
+        trajectories = rollout.trajectories
+        lengths.append(real / args.rows)
+        rollouts[latency] = rollout
+        rows.append(dict(base, what="multi_turn", sampler="eager_turns", latency_ms=latency,
+                         mean_turns=round(sum(t.turns for t in trajectories) / len(trajectories), 2),
+                         mean_len=round(real / args.rows, 1), sampled=sampled, appended=real - sampled,
+                         seconds=round(seconds, 3), tokens_per_s=round(real / seconds, 1),
+                         sampled_per_s=round(sampled / seconds, 1),
+                         tool_s_per_row=round(sum(t.tool_seconds for t in trajectories) / len(trajectories), 3)))
+    length = max(1, round(sum(lengths) / len(lengths)))
+    samplers = {"eager": generate}
+    if not args.no_compiled:
+        samplers["compiled"] = CompiledSampler(compile=not args.no_compile, fused_projections="shared")
+    for label, sampler in samplers.items():
+        single_turn(model, sampler, args, length, seed=0)  # compile / capture
+        seconds, rollout = single_turn(model, sampler, args, length, seed=1)
+        real = int(rollout.completion_mask.sum())
+        rows.append(dict(base, what="single_turn", sampler=label, latency_ms="", mean_turns=1,
+                         mean_len=round(real / args.rows, 1), sampled=real, appended=0, seconds=round(seconds, 3),
+                         tokens_per_s=round(real / seconds, 1), sampled_per_s=round(real / seconds, 1)))
+        rollouts[label] = rollout
+    if args.update:
+        for row in rows:
+            key = row["latency_ms"] if row["what"] == "multi_turn" else row["sampler"]
+            if row["what"] == "single_turn" and row["sampler"] != "eager":
+                continue
+            seconds, peak, logits = update(model, rollouts[key], device)
+            row.update(update_s=round(seconds, 3), peak_gib=round(peak, 2), logits_gib=round(logits, 4))
+    del model
+    return rows
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="0.5b,1.5b", help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--rows", type=int, default=64, help=f"rows per rollout (prompts x G={GROUP})")
+    ap.add_argument("--turns", type=int, default=4, help="model turns per trajectory")
+    ap.add_argument("--turn-tokens", type=int, default=128, help="mean tokens of a model turn")
+    ap.add_argument("--tool-tokens", type=int, default=32, help="tokens of each tool answer")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--latency-ms", default="0,50", help="comma list of tool latencies")
+    ap.add_argument("--update", action="store_true", help="also time one GRPO update and its peak memory")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-compile", action="store_true", help="the compiled sampler without torch.compile")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled single-turn sampler")
+    ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/tool_rollouts_<gpu>.csv)")
+    args = ap.parse_args(argv)
+    args.models = args.models.split(",")
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
+    args.latency_ms = [float(x) for x in args.latency_ms.split(",")]
+    if args.rows % GROUP:
+        ap.error(f"--rows must be a multiple of G={GROUP}, got {args.rows}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args, device)
+        print(_table(rows, TABLE), flush=True)
+    save_rows("tool_rollouts", FIELDS, rows, device, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""bench_tool_rollouts.py on the tiny model (CPU smoke test of the GPU benchmark)."""
+
+import csv
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark):
+    return load_benchmark("bench_tool_rollouts")
+
+
+@pytest.mark.slow  # ~20 s: the compiled sampler's CPU run and an update on each kind of rollout
+def test_multi_and_single_turn_rows_and_the_update(bench, tmp_path):
+    out = tmp_path / "tools.csv"
+    assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "8", "--turns", "3",
+                       "--turn-tokens", "4", "--tool-tokens", "3", "--prompt-len", "6", "--latency-ms", "0,20",
+                       "--update", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["what"], r["sampler"], r["latency_ms"]) for r in rows] == [
+        ("multi_turn", "eager_turns", "0.0"), ("multi_turn", "eager_turns", "20.0"),
+        ("single_turn", "eager", ""), ("single_turn", "compiled", "")]
+    for r in rows:
+        assert r["status"] == "ok" and float(r["tokens_per_s"]) > 0
+        if r["what"] == "multi_turn":
+            assert 1 < float(r["mean_turns"]) <= 3 and int(r["appended"]) > 0  # tool tokens were appended
+            assert int(r["sampled"]) + int(r["appended"]) == round(float(r["mean_len"]) * 8)
+        if r["update_s"]:
+            assert float(r["update_s"]) > 0 and r["logits_gib"] != ""
+    # the single-turn rows decode the multi-turn rows' mean length
+    mean = sum(float(r["mean_len"]) for r in rows[:2]) / 2
+    assert float(rows[2]["mean_len"]) == round(mean)
+
+
+def test_turn_stop_tokens_hold_the_share_of_the_vocabulary(bench):
+    stops = bench.turn_stop_tokens(1000, 50)
+    assert len(stops) == 20 and len(set(stops)) == 20 and 0 not in stops
