@@ -6,6 +6,7 @@ made here, before any test module is collected; the kernel tests then run in-pro
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -15,6 +16,29 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def slow_test_ids() -> set:
+    """The node ids listed in ``tests/slow_tests.txt`` (one per line, then its measured seconds)."""
+    lines = SLOW_LIST.read_text().splitlines()
+    return {line.split()[0] for line in lines if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of ``slow_tests.txt`` as ``slow``: the default run (``-m "not slow"`` in
+    pyproject's addopts) keeps to the fast ones on a 2-core CI machine."""
+    slow = slow_test_ids()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def listed_slow_ids() -> set:
+    """:func:`slow_test_ids`, for the test that checks the list."""
+    return slow_test_ids()
 
 
 @pytest.fixture

@@ -109,7 +109,7 @@ def test_sampling_through_a_rollout_copy_matches_gathered_shards(tmp_path, tune_
     (["prompts_per_step=4", "micro_batch_size=16"],
      r"config key 'micro_batch_size': 16 does not divide the 8 completions per rank"),
     (["generation.backend=compiled", "generation.compile=true"], "generation.compile"),
-    (["generation.rollout_copy=sometimes"], "generation.rollout_copy must be one of"),
+    (["generation.rollout_copy=sometimes"], r"config key 'generation.rollout_copy': expected one of"),
     (["generation.rollout_copy=true", "fsdp_cpu_offload=true"], "rollout_copy: true does not work with fsdp_cpu"),
 ])
 def test_config_errors_before_anything_is_built(tmp_path, monkeypatch, overrides, match):
