@@ -21,6 +21,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _default_sigint():
+    """Runs in the child before exec: SIGINT as a terminal's process has it. An ignored SIGINT is
+    inherited through exec, and an earlier test (or a library it loads) may leave this process
+    ignoring it; the child would then never see the Ctrl-C the tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.fixture
 def tune_cli():
     """Starts ``tune run ...`` in a subprocess from the repo root and returns its ``Popen``.
@@ -43,7 +51,8 @@ def tune_cli():
         try:
             return subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args, f"output_dir={out}"],
                                     cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                                    env={k: v for k, v in full_env.items() if v is not None})
+                                    env={k: v for k, v in full_env.items() if v is not None},
+                                    preexec_fn=_default_sigint)
         finally:
             if log is not None:
                 stdout.close()  # the child has its own copy
