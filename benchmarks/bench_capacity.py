@@ -59,10 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sft import append_rows  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {  # name: (full builder, LoRA builder); torchtune's Qwen2.5 architectures, or the bundled tiny one
+MODELS = {  # name: (full builder, LoRA builder); torchtune's Qwen2.5 architectures, our Qwen3, the bundled tiny one
     "0.5b": ("torchtune.models.qwen2_5.qwen2_5_0_5b", "torchtune.models.qwen2_5.lora_qwen2_5_0_5b"),
     "1.5b": ("torchtune.models.qwen2_5.qwen2_5_1_5b_instruct", "torchtune.models.qwen2_5.lora_qwen2_5_1_5b_instruct"),
     "7b": ("torchtune.models.qwen2_5.qwen2_5_7b_instruct", "torchtune.models.qwen2_5.lora_qwen2_5_7b_instruct"),
+    "qwen3_1_7b": ("logitless.models.qwen3_1_7b", "logitless.models.lora_qwen3_1_7b"),
     "tiny": ("logitless.models.qwen2_5_tiny", "logitless.models.lora_qwen2_5_tiny"),
 }
 LORA_ARGS = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
