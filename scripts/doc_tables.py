@@ -2,13 +2,16 @@
 """The tables and figures README.md and docs/benchmarks.md quote, regenerated from committed results.
 
     python scripts/doc_tables.py              # every table below, as Markdown
-    python scripts/doc_tables.py quickstart   # or: head, capacity
+    python scripts/doc_tables.py quickstart   # or: head, capacity, models
 
 - ``quickstart``: ``reward/mean`` of the tiny GRPO run per seed (``benchmarks/results/
   tiny_grpo_cpu_metrics*.txt``: seed 0 is ``tiny_grpo_cpu_metrics.txt``), and the range over seeds.
 - ``head``: the LM head at the Qwen2.5-7B shape (``head_final_h200.csv``): time and peak extra memory
   per implementation.
 - ``capacity``: the longest sequence per model and loss (``capacity_nvidia_h100_80gb_hbm3.csv``).
+- ``models``: Qwen3-1.7B next to Qwen2.5-1.5B on one H100: the GRPO step (``grpo_step_qwen3_h100.csv``),
+  decode at 64 rows and its share of the roofline with each group's prompt read once
+  (``generation_qwen3_h100.csv``), the longest SFT sequence with our loss (the capacity CSV).
 
 Only reads files; reads no GPU and imports no torch.
 """
@@ -90,8 +93,33 @@ def capacity(csv_name: str = "capacity_nvidia_h100_80gb_hbm3.csv") -> str:
     return "\n".join(out)
 
 
+def models() -> str:
+    def read(name):
+        with open(RESULTS / name, newline="") as fh:
+            return list(csv.DictReader(fh))
+
+    names = {"1.5b": "Qwen2.5-1.5B", "qwen3_1_7b": "Qwen3-1.7B"}
+    steps = {r["model"]: r for r in read("grpo_step_qwen3_h100.csv") if r["status"] == "ok"}
+    decode = {r["model"]: r for r in read("generation_qwen3_h100.csv")
+              if r["rows"] == "64" and r["mix"] == "uniform" and r["status"] == "ok"}
+    fits = {}
+    for r in read("capacity_nvidia_h100_80gb_hbm3.csv"):
+        if r["loss"] == "logitless_fused" and r["mode"] == "full" and r["offload"] == "False":
+            fits.setdefault(r["model"], []).append(r)
+    out = ["| model | GRPO step (8 prompts x 8, 512 + 512 tokens) | decode, 64 rows x 512 tokens | its share of the "
+           "roofline | longest SFT sequence |", "|---|---:|---:|---:|---:|"]
+    for key, name in names.items():
+        ok = [int(r["seq_len"]) for r in fits[key] if r["status"] == "ok"]
+        missed = any(r["status"] != "ok" for r in fits[key])
+        longest = f"{max(ok) // 1024}k" if missed else f">= {max(ok) // 1024}k"
+        d = decode[key]
+        out.append(f"| {name} | {float(steps[key]['step_s']):.2f} s | {float(d['tokens_per_s']):,.0f} tokens/s | "
+                   f"{float(d['roofline_shared_frac']):.0%} | {longest} |")
+    return "\n".join(out)
+
+
 def main() -> None:
-    tables = {"quickstart": quickstart, "head": head, "capacity": capacity}
+    tables = {"quickstart": quickstart, "head": head, "capacity": capacity, "models": models}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tables", nargs="*", choices=[*tables, []], help="default: all")
     for name in p.parse_args().tables or tables:
