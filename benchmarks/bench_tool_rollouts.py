@@ -1,20 +1,25 @@
 """Multi-turn (tool) rollouts against single-turn rollouts of the same length, and the update's memory.
 
 For each model (random bf16 weights), ``--rows`` rows (``rows / G`` prompts x G) sample trajectories
-of ``--turns`` model turns with the eager turn sampler
-(:func:`logitless.generation.tools.eager.generate_turns`); between turns each row's environment
-sleeps ``--latency-ms`` (a tool's latency, run on its own thread while the other rows decode) and
-answers with ``--tool-tokens`` tokens, which the sampler appends to the row's KV cache (a prefill of
-those tokens only). A turn ends at a stop token: a set holding about ``1 / --turn-tokens`` of a
-near-uniform distribution, so turns are geometric with that mean. The prompt and the tool answers
-are fixed token ids (no chat template, which costs host time only): what is measured is the sampler.
+of ``--turns`` model turns with each multi-turn sampler: the eager reference
+(:func:`logitless.generation.tools.eager.generate_turns`) and the compiled one
+(:class:`logitless.generation.tools.compiled.CompiledTurnSampler`, fused projections, as
+``configs/qwen_tools_grpo.yaml`` builds it). Between turns each row's environment sleeps
+``--latency-ms`` (a tool's latency, on its own thread while the other rows decode) and answers with
+``--tool-tokens`` tokens, which the sampler feeds into the row's KV cache. A turn ends at a stop
+token: a set holding about ``1 / --turn-tokens`` of a near-uniform distribution, so turns are
+geometric with that mean. The prompt and the tool answers are fixed token ids (no chat template,
+which costs host time only): what is measured is the sampler.
 
 Then, at the mean total completion length ``L`` the trajectories reached (their turns and the
 appended tool tokens), the single-turn samplers decode ``L`` tokens per row without stopping: the
-eager reference (``generate``, one forward per token, the same code path per token as the turn
-sampler) and the compiled sampler (``CompiledSampler``, fused projections, as ``configs/qwen_grpo.yaml``
-builds it). Reported per row of the CSV: wall seconds, completion tokens per second (sampled and
-appended), sampled tokens per second, mean turns, tool seconds per row.
+eager reference (``generate``) and the compiled sampler (``CompiledSampler``, fused projections).
+Reported per row of the CSV: wall seconds, completion tokens per second (sampled and appended),
+sampled tokens per second, mean turns, tool seconds per row, the decode steps and the wall time per
+step (compiled turn sampler and single-turn samplers), and for a multi-turn rollout with
+latency whether it equals the same sampler's rollout with instant tools (``same_as_instant``: the
+fraction of rows whose tokens are identical; the draws are keyed by row and position, so a tool's
+latency moves a row in time, not its tokens).
 
 ``--update``: one GRPO update (``GRPOLoss``, the fused head, prompt once per group, micro-batches of
 one group) on the multi-turn rollout (tool tokens masked out of the loss) and on the single-turn
@@ -24,7 +29,7 @@ bf16 logits of the completions would take (which the fused head never holds).
 Example (H100 / H200):
     PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models 0.5b,1.5b --rows 64 --turns 4 \\
         --latency-ms 0,50 --update
-    PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models tiny --device cpu --rows 4 \\
+    PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models tiny --device cpu --rows 8 \\
         --turn-tokens 4 --tool-tokens 3 --prompt-len 8 --no-compile   # CPU smoke test
 """
 
@@ -40,10 +45,12 @@ from bench_generation import MODELS, _sync, _table, build_model, save_rows  # no
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "what", "sampler", "rows", "G", "prompt_len",
           "turns", "turn_tokens", "tool_tokens", "latency_ms", "mean_turns", "mean_len", "sampled", "appended",
-          "seconds", "tokens_per_s", "sampled_per_s", "tool_s_per_row", "update_s", "peak_gib", "logits_gib",
-          "status"]
+          "seconds", "tokens_per_s", "sampled_per_s", "tool_s_per_row", "same_as_instant", "decode_steps",
+          "ms_per_step", "update_s", "peak_gib",
+          "logits_gib", "status"]
 TABLE = ["model", "what", "sampler", "latency_ms", "mean_turns", "mean_len", "seconds", "tokens_per_s",
-         "sampled_per_s", "update_s", "peak_gib", "logits_gib", "status"]
+         "sampled_per_s", "same_as_instant", "decode_steps", "ms_per_step", "update_s", "peak_gib", "logits_gib",
+         "status"]
 GROUP = 8
 
 
@@ -88,9 +95,8 @@ def turn_stop_tokens(vocab, turn_tokens, seed=0):
     return perm[:count].tolist()
 
 
-def multi_turn(model, args, latency_ms, seed):
+def multi_turn(model, sampler, args, latency_ms, seed):
     """(seconds, rollout) of one multi-turn rollout."""
-    from logitless.generation.tools.eager import generate_turns
     from logitless.generation.tools.session import TurnSession
     from logitless.generation import prompt_generators
 
@@ -107,7 +113,7 @@ def multi_turn(model, args, latency_ms, seed):
     device = next(model.parameters()).device
     _sync(device)
     t0 = time.perf_counter()
-    rollout = generate_turns(model, session, max_new_tokens=budget, stop_tokens=stops, pad_id=0, temperature=1.0,
+    rollout = sampler(model, session, max_new_tokens=budget, stop_tokens=stops, pad_id=0, temperature=1.0,
                              generator=prompt_generators(seed, 0, range(prompts), device))
     _sync(device)
     return time.perf_counter() - t0, rollout
@@ -156,28 +162,47 @@ def update(model, rollout, device):
     return seconds, peak, logits
 
 
+def _steps(steps, seconds):
+    """The decode steps of a rollout (every row in each; 0: not known) and the wall time per step."""
+    return dict(decode_steps=steps or "", ms_per_step=round(1000 * seconds / steps, 3) if steps else "")
+
+
 def bench_model(name, args, device):
     from logitless.generation import CompiledSampler, generate
+    from logitless.generation.tools.compiled import CompiledTurnSampler
+    from logitless.generation.tools.eager import generate_turns
 
     model = build_model(name, device)
     base = dict(model=name, rows=args.rows, G=GROUP, prompt_len=args.prompt_len, turns=args.turns,
                 turn_tokens=args.turn_tokens, tool_tokens=args.tool_tokens, status="ok")
     rows = []
-    multi_turn(model, argparse.Namespace(**{**vars(args), "turns": 2}), 0, seed=0)  # warm-up (allocator, kernels)
+    turn_samplers = {}
+    if "eager_turns" in args.turn_samplers:
+        turn_samplers["eager_turns"] = generate_turns
+    if "compiled_turns" in args.turn_samplers and not args.no_compiled:
+        turn_samplers["compiled_turns"] = CompiledTurnSampler(compile=not args.no_compile, fused_projections="shared")
     lengths, rollouts = [], {}
-    for latency in args.latency_ms:
-        seconds, rollout = multi_turn(model, args, latency, seed=1)
-        real = int(rollout.completion_mask.sum())
-        sampled = int(rollout.loss_mask.sum())
-        trajectories = rollout.trajectories
-        lengths.append(real / args.rows)
-        rollouts[latency] = rollout
-        rows.append(dict(base, what="multi_turn", sampler="eager_turns", latency_ms=latency,
-                         mean_turns=round(sum(t.turns for t in trajectories) / len(trajectories), 2),
-                         mean_len=round(real / args.rows, 1), sampled=sampled, appended=real - sampled,
-                         seconds=round(seconds, 3), tokens_per_s=round(real / seconds, 1),
-                         sampled_per_s=round(sampled / seconds, 1),
-                         tool_s_per_row=round(sum(t.tool_seconds for t in trajectories) / len(trajectories), 3)))
+    for label, sampler in turn_samplers.items():
+        multi_turn(model, sampler, args, 0, seed=0)  # warm-up: compile / capture, allocator
+        instant = None
+        for latency in args.latency_ms:
+            seconds, rollout = multi_turn(model, sampler, args, latency, seed=1)
+            real = int(rollout.completion_mask.sum())
+            sampled = int(rollout.loss_mask.sum())
+            trajectories = rollout.trajectories
+            lengths.append(real / args.rows)
+            rollouts[(label, latency)] = rollout
+            if instant is None:
+                instant = rollout
+            same = (rollout.completion_tokens.shape == instant.completion_tokens.shape and
+                    (rollout.completion_tokens == instant.completion_tokens).all(1).float().mean().item())
+            rows.append(dict(base, what="multi_turn", sampler=label, latency_ms=latency,
+                             mean_turns=round(sum(t.turns for t in trajectories) / len(trajectories), 2),
+                             mean_len=round(real / args.rows, 1), sampled=sampled, appended=real - sampled,
+                             seconds=round(seconds, 3), tokens_per_s=round(real / seconds, 1),
+                             sampled_per_s=round(sampled / seconds, 1), same_as_instant=round(float(same), 3),
+                             **_steps(getattr(sampler, "last_steps", 0), seconds),
+                             tool_s_per_row=round(sum(t.tool_seconds for t in trajectories) / len(trajectories), 3)))
     length = max(1, round(sum(lengths) / len(lengths)))
     samplers = {"eager": generate}
     if not args.no_compiled:
@@ -187,13 +212,14 @@ def bench_model(name, args, device):
         seconds, rollout = single_turn(model, sampler, args, length, seed=1)
         real = int(rollout.completion_mask.sum())
         rows.append(dict(base, what="single_turn", sampler=label, latency_ms="", mean_turns=1,
+                         **_steps(rollout.completion_tokens.shape[1], seconds),
                          mean_len=round(real / args.rows, 1), sampled=real, appended=0, seconds=round(seconds, 3),
                          tokens_per_s=round(real / seconds, 1), sampled_per_s=round(real / seconds, 1)))
         rollouts[label] = rollout
     if args.update:
         for row in rows:
-            key = row["latency_ms"] if row["what"] == "multi_turn" else row["sampler"]
-            if row["what"] == "single_turn" and row["sampler"] != "eager":
+            key = (row["sampler"], row["latency_ms"]) if row["what"] == "multi_turn" else row["sampler"]
+            if row["what"] == "single_turn" and row["sampler"] != "eager":  # the same rollout as eager's
                 continue
             seconds, peak, logits = update(model, rollouts[key], device)
             row.update(update_s=round(seconds, 3), peak_gib=round(peak, 2), logits_gib=round(logits, 4))
@@ -210,10 +236,12 @@ def parse_args(argv=None):
     ap.add_argument("--tool-tokens", type=int, default=32, help="tokens of each tool answer")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--latency-ms", default="0,50", help="comma list of tool latencies")
+    ap.add_argument("--turn-samplers", default="eager_turns,compiled_turns",
+                    help="comma list of the multi-turn samplers to run: eager_turns, compiled_turns")
     ap.add_argument("--update", action="store_true", help="also time one GRPO update and its peak memory")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--no-compile", action="store_true", help="the compiled sampler without torch.compile")
-    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled single-turn sampler")
+    ap.add_argument("--no-compile", action="store_true", help="the compiled samplers without torch.compile")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the compiled samplers (multi- and single-turn)")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/tool_rollouts_<gpu>.csv)")
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
@@ -221,6 +249,10 @@ def parse_args(argv=None):
     if unknown:
         ap.error(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
     args.latency_ms = [float(x) for x in args.latency_ms.split(",")]
+    args.turn_samplers = args.turn_samplers.split(",")
+    bad = [t for t in args.turn_samplers if t not in ("eager_turns", "compiled_turns")]
+    if bad or not args.turn_samplers:
+        ap.error(f"--turn-samplers: unknown {bad}; choose from eager_turns, compiled_turns")
     if args.rows % GROUP:
         ap.error(f"--rows must be a multiple of G={GROUP}, got {args.rows}")
     return args

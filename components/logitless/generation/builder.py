@@ -11,7 +11,7 @@ from logitless.generation.config import SamplerConfig
 from logitless.generation.eager import generate
 from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 
-__all__ = ["build_sampler", "uses_rollout_copy"]
+__all__ = ["build_sampler", "build_turn_sampler", "uses_rollout_copy"]
 
 
 def uses_rollout_copy(config: SamplerConfig, device: torch.device, *, sharded: bool,
@@ -81,6 +81,47 @@ def build_sampler(config: SamplerConfig, device: torch.device, *,
     Example:
         >>> sample, sample_eval = build_sampler(SamplerConfig(max_new_tokens=8, backend="eager"), torch.device("cpu"))
     """
+    backend, options = _backend(config, device, sharded=sharded, cpu_offload=cpu_offload)
+    if backend == "eager":
+        if config.prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS:
+            return generate, generate
+        eager = functools.partial(generate, prefill_chunk_tokens=config.prefill_chunk_tokens)
+        return eager, eager
+    return tuple(CompiledSampler(options, prefill_chunk_tokens=config.prefill_chunk_tokens) for _ in range(2))
+
+
+def build_turn_sampler(config: SamplerConfig, device: torch.device, *,
+                       sharded: bool = False, cpu_offload: bool = False) -> Tuple[Callable, Callable]:
+    """Returns ``(train_sampler, eval_sampler)`` of multi-turn (tool) rollouts, both with
+    :func:`logitless.generation.tools.eager.generate_turns`'s call: the eager reference, or
+    :class:`~logitless.generation.tools.compiled.CompiledTurnSampler` with the compiled sampler's
+    options, chosen as :func:`build_sampler` chooses.
+
+    Args: as :func:`build_sampler`.
+
+    Returns:
+        Tuple[Callable, Callable]: the samplers of the training and the evaluation rollouts.
+
+    Raises:
+        ValueError: a setting that cannot run on this device or sharding, naming the key.
+
+    Example:
+        >>> sample, sample_eval = build_turn_sampler(SamplerConfig(max_new_tokens=8, backend="eager"),
+        ...                                          torch.device("cpu"))
+    """
+    from logitless.generation.tools.compiled import CompiledTurnSampler
+    from logitless.generation.tools.eager import generate_turns
+
+    backend, options = _backend(config, device, sharded=sharded, cpu_offload=cpu_offload)
+    if backend == "eager":
+        eager = functools.partial(generate_turns, prefill_chunk_tokens=config.prefill_chunk_tokens)
+        return eager, eager
+    return tuple(CompiledTurnSampler(options, prefill_chunk_tokens=config.prefill_chunk_tokens) for _ in range(2))
+
+
+def _backend(config: SamplerConfig, device: torch.device, *, sharded: bool, cpu_offload: bool):
+    """``(backend, compiled options)``: ``"eager"`` or ``"compiled"`` (``auto`` resolved), the compiled
+    sampler's options uncompiled where CUDA graphs cannot follow the weights."""
     if uses_rollout_copy(config, device, sharded=sharded, cpu_offload=cpu_offload):
         sharded = False  # the samplers run on the unsharded copy
     options = config.compiled
@@ -91,11 +132,6 @@ def build_sampler(config: SamplerConfig, device: torch.device, *,
     backend = config.backend
     if backend == "auto":
         backend = "compiled" if device.type == "cuda" and not sharded else "eager"
-    if backend == "eager":
-        if config.prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS:
-            return generate, generate
-        eager = functools.partial(generate, prefill_chunk_tokens=config.prefill_chunk_tokens)
-        return eager, eager
-    if sharded:
+    if backend == "compiled" and sharded:
         options = dataclasses.replace(options, compile=False)
-    return tuple(CompiledSampler(options, prefill_chunk_tokens=config.prefill_chunk_tokens) for _ in range(2))
+    return backend, options

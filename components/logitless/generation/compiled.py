@@ -216,11 +216,14 @@ class CompiledSampler:
                                            dynamic=None if self.config.compaction or self.config.attention_window else False)
         return self._compiled
 
-    def _cache_len(self, width: int, max_new_tokens: int) -> int:
-        need = width + max_new_tokens
+    def _cache_len(self, width: int, max_new_tokens: int, extra: int = 0) -> int:
+        """Cache columns for ``width`` prompt columns, ``max_new_tokens`` and ``extra`` more (the
+        multi-turn sampler's scratch column), rounded up to ``cache_len_multiple``."""
+        need = width + max_new_tokens + extra
         if self.config.max_cache_len is not None:
             if need > self.config.max_cache_len:
-                raise ValueError(f"max_new_tokens: prompt width {width} + max_new_tokens {max_new_tokens} "
+                more = f" + {extra} scratch column" if extra else ""
+                raise ValueError(f"max_new_tokens: prompt width {width} + max_new_tokens {max_new_tokens}{more} "
                                  f"exceeds max_cache_len={self.config.max_cache_len}")
             return self.config.max_cache_len
         m = self.config.cache_len_multiple

@@ -99,7 +99,7 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
                        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                        col: Optional[torch.Tensor] = None, window=None,
                        qkv: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-                       split_k: Optional[Tuple] = None) -> torch.Tensor:
+                       split_k: Optional[Tuple] = None, per_row_columns: bool = False) -> torch.Tensor:
     """torchtune's cached self-attention without expanding K/V to every query head.
 
     ``MultiHeadAttention`` copies the whole cache ``num_heads // num_kv_heads`` times per layer
@@ -110,9 +110,10 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     ``col`` there instead of through ``attn.kv_cache``, and attention reads its first ``window``
     columns only (all with None). ``qkv`` (weight, bias) of the concatenated q/k/v projections
     (:class:`FusedProjections`) computes them with one GEMM. With ``split_k`` = ``(key_valid,
-    n_filled, programmatic_launch, shared_prefix, rotations)`` (``(B, L)`` bool, ``(1,)`` int64, bool, a
-    :class:`~logitless.generation.kernels.decode_attention.SharedPrefix` or None, a dict the step fills with
-    each rotary table's per-row coefficients) one new token per row attends through the split-K kernel
+    n_filled, programmatic_launch, shared_prefix, rotations, split_len)`` (``(B, L)`` bool, ``(1,)`` int64,
+    bool, a :class:`~logitless.generation.kernels.decode_attention.SharedPrefix` or None, a dict the step
+    fills with each rotary table's per-row coefficients, the columns per split or 0 for the kernel's
+    choice from the fill) one new token per row attends through the split-K kernel
     (:func:`logitless.generation.kernels.decode_attention`), which reads the first ``n_filled`` columns of the
     cache only (each group's prompt columns once, with a shared prefix), instead of SDPA under
     ``mask``. Where :func:`_fused_rotary` allows, the compiler's three or four kernels of rotary
@@ -120,6 +121,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     (:class:`~logitless.generation.kernels.decode_attention.NewToken`), else into one launch before it
     (:func:`logitless.generation.kernels.decode_rotary.decode_rotary_cache`; inside the attention it measured
     slower there, the shared-prefix programs all rotating their rows' queries).
+    ``per_row_columns``: ``col`` is ``(B,)``, each row's own write column (a multi-turn rollout's rows
+    are at different columns, :mod:`logitless.generation.tools.turn_step`); rotary embedding and
+    cache write then run here, not inside the split-K launch.
     """
     b, s, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -130,9 +134,9 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
     norms_first = _norms_before_rope(attn)
     if norms_first:  # Qwen3: per-head norms of the projections, then the rotary embedding below
         q, k = attn.q_norm(q.view(b, s, heads, dim)), attn.k_norm(k.view(b, s, kv_heads, dim))
-    rotary = _fused_rotary(attn, s, cache, split_k)
+    rotary = None if per_row_columns else _fused_rotary(attn, s, cache, split_k)
     if rotary is not None and split_k[3] is None:  # rotary embedding and cache write inside the attention
-        key_valid, n_filled, programmatic, _, rotations = split_k
+        key_valid, n_filled, programmatic, _, rotations, _ = split_k
         if id(rotary.table) not in rotations:  # once a step for the layers that share a rotary module
             rotations[id(rotary.table)] = _decode_rotary.rotation_coefficients(rotary, input_pos.view(b), dim, q.dtype)
         out = torch.ops.logitless.decode_attention_new_token(
@@ -158,6 +162,11 @@ def _grouped_attention(attn: nn.Module, x: torch.Tensor, input_pos: torch.Tensor
         k = attn.k_norm(k)
     if cache is None:
         k, v = attn.kv_cache.update(k, v)
+    elif per_row_columns:  # one new token per row, at the row's own column
+        rows = torch.arange(b, device=col.device)
+        cache[0][rows, :, col] = k[:, :, 0]
+        cache[1][rows, :, col] = v[:, :, 0]
+        k, v = cache
     else:
         # written into the bucket's cache itself, then read through a narrowed view
         cache[0].index_copy_(2, col, k)
@@ -183,10 +192,10 @@ def _split_k_attention(attn: nn.Module, q: torch.Tensor, cache: Tuple[torch.Tens
     b, heads, _, dim = q.shape
     k, v = cache
     # the raw op (registered by the sampler): launch parameters 0 = the kernel's defaults
-    key_valid, n_filled, programmatic, prefix, _ = split_k
+    key_valid, n_filled, programmatic, prefix, _, split_len = split_k
     if prefix is None:
-        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, 0, 0, 0,
-                                                   0, programmatic)
+        out = torch.ops.logitless.decode_attention(q.squeeze(2), k, v, key_valid, n_filled, dim ** -0.5, split_len, 0,
+                                                   0, 0, programmatic)
     else:
         out = torch.ops.logitless.decode_attention_shared_prefix(q.squeeze(2), k, v, key_valid, n_filled, *prefix,
                                                                  dim ** -0.5, 0, 0, 0, 0, 0, programmatic)
@@ -197,16 +206,17 @@ def _layer_step(layer: nn.Module, h: torch.Tensor, input_pos: torch.Tensor, mask
                 grouped: bool, cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 col: Optional[torch.Tensor] = None, window=None,
                 fused: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
-                split_k: Optional[Tuple] = None) -> torch.Tensor:
+                split_k: Optional[Tuple] = None, per_row_columns: bool = False) -> torch.Tensor:
     """One decoder layer for one new token: torchtune's layer, or its grouped-attention twin (with
     ``fused``, the layer's concatenated projections of :class:`FusedProjections`; with ``split_k``,
-    the split-K attention of :func:`_grouped_attention`)."""
+    the split-K attention of :func:`_grouped_attention`; ``per_row_columns``: ``col`` holds each
+    row's write column)."""
     layer = decoding_layer(layer)
     if not (grouped and groupable(layer)):
         return run_decoding_layer(layer, h, mask=mask, input_pos=input_pos)
     fused = fused or {}
     h = layer.sa_scale(_grouped_attention(layer.attn, layer.sa_norm(h), input_pos, mask, cache, col, window,
-                                          fused.get("qkv"), split_k)) + h
+                                          fused.get("qkv"), split_k, per_row_columns)) + h
     x = layer.mlp_norm(h)
     if "gate_up" not in fused:
         return h + layer.mlp_scale(layer.mlp(x))
@@ -282,7 +292,7 @@ def decode_step(model: nn.Module, rows: Dict[str, torch.Tensor], shared: Dict[st
     # the filled count is a buffer of its own, not col + 1: the compiler would recompute that sum in a
     # launch of its own before every layer's attention
     n_filled = shared["n_filled"]
-    filled = (key_valid, n_filled, programmatic_launch, prefix, {}) if split_k else None
+    filled = (key_valid, n_filled, programmatic_launch, prefix, {}, 0) if split_k else None
 
     def run_layer(index, layer, h):
         return _layer_step(layer, h, input_pos, mask, grouped, caches[index] if caches else None, col, window,

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from logitless.generation.builder import build_sampler, uses_rollout_copy
+from logitless.generation.builder import build_sampler, build_turn_sampler, uses_rollout_copy
 from logitless.generation.config import SamplerConfig, check_stop_tokens
 from logitless.generation.result import Rollout
 from logitless.generation.tools.config import ToolTurns, build_tool_turns
@@ -52,14 +52,18 @@ class PolicySampler:
         max_seq_len (Optional[int]): the longest sequence the sampler can run (model and
             ``generation.max_cache_len``); None when unknown.
         turns (Optional[ToolTurns]): tool / environment turns: every call samples multi-turn
-            trajectories with the eager turn sampler (:func:`~logitless.generation.tools.eager.generate_turns`).
+            trajectories with ``turn_sample_fns``.
+        turn_sample_fns (Optional[Tuple[Callable, Callable]]): the training and evaluation samplers of
+            multi-turn rollouts (:func:`~logitless.generation.builder.build_turn_sampler`); None = the eager
+            reference (:func:`~logitless.generation.tools.eager.generate_turns`) for both.
     """
 
     def __init__(self, sample_fn: Callable, eval_sample_fn: Callable, config: SamplerConfig, tokenizer: Any,
                  runtime: Runtime, *, rollout_copy: bool = False, max_seq_len: Optional[int] = None,
-                 turns: Optional[ToolTurns] = None):
+                 turns: Optional[ToolTurns] = None, turn_sample_fns: Optional[Tuple[Callable, Callable]] = None):
         self.sample_fn, self.eval_sample_fn, self.config = sample_fn, eval_sample_fn, config
         self.turns = turns
+        self.turn_sample_fn, self.eval_turn_sample_fn = turn_sample_fns or (generate_turns, generate_turns)
         self.tokenizer, self.runtime = tokenizer, runtime
         self.pad_id = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else 0
         self.rollout_copy, self.max_seq_len = rollout_copy, max_seq_len
@@ -93,11 +97,15 @@ class PolicySampler:
         offload = bool(cfg.get("fsdp_cpu_offload", False))
         sample_fn, eval_sample_fn = build_sampler(config, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload)
+        turns = build_tool_turns(cfg, tokenizer, config.stop_tokens)
+        turn_sample_fns = None if turns is None else build_turn_sampler(config, runtime.device,
+                                                                        sharded=runtime.distributed,
+                                                                        cpu_offload=offload)
         return cls(sample_fn, eval_sample_fn, config, tokenizer, runtime,
                    rollout_copy=uses_rollout_copy(config, runtime.device, sharded=runtime.distributed,
                                                   cpu_offload=offload),
                    max_seq_len=min(known) if known else None,
-                   turns=build_tool_turns(cfg, tokenizer, config.stop_tokens))
+                   turns=turns, turn_sample_fns=turn_sample_fns)
 
     @property
     def max_new_tokens(self) -> int:
@@ -154,9 +162,10 @@ class PolicySampler:
         fields = {k: [r[k] for r in rows for _ in range(num_generations)] for k in rows[0] if k not in PROMPT_KEYS}
         if self.turns is not None:
             session = self.turns.session(rows, num_generations)
-            rollout = generate_turns(model, session, pad_id=self.pad_id, generator=generator,
-                                     prefill_chunk_tokens=self.config.prefill_chunk_tokens,
-                                     **self.config.sampling_args(**overrides))
+            sample_turns = self.eval_turn_sample_fn if evaluation else self.turn_sample_fn
+            rollout = sample_turns(model, session, pad_id=self.pad_id, generator=generator,
+                                   prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                                   **self.config.sampling_args(**overrides))
             conversation, info = TRAJECTORY_COLUMNS
             fields[conversation] = [t.messages for t in rollout.trajectories]
             fields[info] = [t.info for t in rollout.trajectories]

@@ -250,7 +250,8 @@ def sample_counter(
     Args:
         logits (torch.Tensor): ``(B, V)`` scores of the next token.
         keys (torch.Tensor): ``(B,)`` int64 row keys (:func:`row_keys`).
-        step (torch.Tensor): ``(1,)`` int64 step counter (the completion position).
+        step (torch.Tensor): ``(1,)`` int64 step counter (the completion position), or ``(B,)``:
+            each row's own (the rows of a multi-turn rollout are at different positions).
         temperature, top_k, top_p: as in :func:`sample_next`.
         token_hash (Optional[torch.Tensor]): :func:`token_hashes` of V, precomputed.
 

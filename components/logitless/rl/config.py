@@ -13,7 +13,7 @@ from typing import Dict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from logitless.generation.builder import build_sampler
+from logitless.generation.builder import build_sampler, build_turn_sampler
 from logitless.generation.config import SamplerConfig
 from logitless.generation.tools.config import TURN_KEYS, check_turn_config
 from logitless.losses import GRPOLoss
@@ -183,9 +183,12 @@ def validate_grpo_config(cfg: DictConfig, *, distributed: bool = False, world_si
     except ValueError as e:
         raise ConfigError(f"config key 'generation': {e}") from None
     if check_turn_config(cfg) is not None:
-        if sampler_config.backend == "compiled":
-            raise ConfigError("config key 'generation.backend': 'compiled' does not run tool or environment turns; "
-                              "use eager or auto (tool turns always sample with the eager turn sampler)")
+        try:
+            build_turn_sampler(sampler_config, torch.device("cuda" if on_cuda else "cpu"), sharded=distributed,
+                               cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)))
+        except ValueError as e:
+            key = f"generation.{e.option}" if getattr(e, "option", None) else "generation"
+            raise ConfigError(f"config key '{key}': {e}") from None
         if cfg.on_too_long == "truncate":
             raise ConfigError("config key 'on_too_long': 'truncate' cannot cut a tool rollout's prompt (it is rendered "
                               "from its messages at every step); use drop or error")

@@ -194,13 +194,28 @@ def test_a_rows_draw_does_not_depend_on_the_batch():
     assert torch.equal(part_logp, logp[order])
 
 
+def test_one_step_per_row_draws_each_row_at_its_own_step():
+    """A ``(B,)`` step (the rows of a multi-turn rollout at different positions): row ``r`` draws what
+    it draws alone with step ``step[r]``, and what the reference draws with the same per-row steps."""
+    logits, keys, _ = _problem(5, 3001)
+    steps = torch.tensor([0, 7, 3, 3, 11], device=DEVICE)
+    tokens, logp = counter_draw(logits, keys, steps, temperature=0.8)
+    ref_tokens, _ = sample_counter(logits, keys, steps, temperature=0.8)
+    assert torch.equal(tokens, ref_tokens)
+    for r in range(5):
+        alone, alone_logp = counter_draw(logits[r:r + 1], keys[r:r + 1], steps[r:r + 1], temperature=0.8)
+        assert int(alone) == int(tokens[r]) and float(alone_logp) == float(logp[r])
+    assert_logp_within_bound(tokens, logp, logits, 0.8)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(logits=torch.zeros(2, 3, 4)), "logits"),
     (dict(logits=torch.zeros(5, 2).t()), "logits"),
     (dict(logits=torch.zeros(2, 5, dtype=torch.int64)), "logits"),
     (dict(keys=torch.zeros(3, dtype=torch.int64)), "keys"),
     (dict(keys=torch.zeros(2, dtype=torch.int32)), "keys"),
-    (dict(step=torch.zeros(2, dtype=torch.int64)), "step"),
+    (dict(step=torch.zeros(3, dtype=torch.int64)), "step"),  # neither one step nor one per row
+    (dict(step=torch.zeros(2, dtype=torch.int32)), "step"),
     (dict(temperature=-1.0), "temperature"),
 ])
 def test_bad_arguments_are_named(bad, match):

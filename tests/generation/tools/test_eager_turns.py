@@ -1,6 +1,6 @@
 """The eager multi-turn sampler: continuations appended to each row's KV cache give the tokens and
 log-probs of a fresh forward over the whole conversation (greedy, float64); rows without turns equal
-the single-turn sampler; masks mark exactly the sampled tokens."""
+the single-turn compiled sampler (same counter draws); masks mark exactly the sampled tokens."""
 
 import torch
 from torch.nn import functional as F
@@ -10,7 +10,7 @@ from logitless.generation.tools import CHAT_FORMATS, ToolChat
 from logitless.generation.tools.eager import generate_turns
 from logitless.generation.tools.session import TurnSession
 from logitless.models import qwen2_5_tiny
-from logitless.generation.eager import generate
+from logitless.generation.compiled import CompiledSampler
 from logitless.generation.sampling import prompt_generators
 
 TOKENIZER = tiny_qwen2_5_tokenizer()
@@ -82,14 +82,16 @@ def test_cache_extended_by_continuations_equals_a_fresh_forward():
 
 
 def test_rows_that_never_continue_equal_the_single_turn_sampler():
-    """With no continuation (the environment is done at once), generate_turns samples what
-    generate samples: same random streams, same tokens, same log-probs."""
+    """With no continuation (the environment is done at once), generate_turns samples what the
+    single-turn compiled sampler samples: the same counter streams (row key, position), tokens and
+    log-probs."""
     model = tiny_model(torch.float32)
     session = _session(DoneEnvironment, num_generations=3)
     stops = [IM_END] + list(range(0, 2026, 7))
     kw = dict(max_new_tokens=12, stop_tokens=stops, pad_id=PAD, temperature=1.0)
     out = generate_turns(model, session, generator=prompt_generators(0, 5, range(3)), **kw)
-    ref = generate(model, session.prompts, num_generations=3, generator=prompt_generators(0, 5, range(3)), **kw)
+    ref = CompiledSampler(compile=False)(model, session.prompts, num_generations=3,
+                                         generator=prompt_generators(0, 5, range(3)), **kw)
     assert torch.equal(out.completion_tokens, ref.completion_tokens)
     assert torch.equal(out.completion_mask, ref.completion_mask)
     assert torch.equal(out.truncated, ref.truncated)

@@ -82,7 +82,7 @@ def _gumbel2(u, FAST_LOG: tl.constexpr):
 
 @triton.jit
 def counter_draw_kernel(logits_ptr, keys_ptr, step_ptr, best_ptr, index_ptr, max_ptr, sum_ptr, V, stride_lb,
-                        inv_temperature, SPAN: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
+                        stride_step, inv_temperature, SPAN: tl.constexpr, BLOCK: tl.constexpr, GREEDY: tl.constexpr,
                         FAST_LOG: tl.constexpr):
     """Grid ``(B, splits)``: the best perturbed score (and its first column), the max and the sum of
     ``2 ** (s - max)`` of the tempered logits in base 2, ``s = logits / T * log2(e)``, over columns
@@ -92,7 +92,7 @@ def counter_draw_kernel(logits_ptr, keys_ptr, step_ptr, best_ptr, index_ptr, max
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     key = tl.load(keys_ptr + r + tl.zeros([1], tl.int64))  # (1,): the hash runs on uint32 tensors
-    step = tl.load(step_ptr + tl.zeros([1], tl.int64))
+    step = tl.load(step_ptr + r * stride_step + tl.zeros([1], tl.int64))  # stride 0: one step for every row
     # truncation to 32 bits keeps the low word, as the reference's mask does
     lo = key.to(tl.uint32)
     hi = (key >> 32).to(tl.uint32)
@@ -184,7 +184,8 @@ def _counter_draw_op(logits: Tensor, keys: Tensor, step: Tensor, temperature: fl
     if b:
         # lg2.approx for the outer log on NVIDIA GPUs (libdevice's): the accurate one costs 8 us a draw
         fast_log = logits.is_cuda and torch.version.cuda is not None
-        counter_draw_kernel[(b, splits)](logits, keys, step, best, index, top, total, v, logits.stride(0), inv,
+        counter_draw_kernel[(b, splits)](logits, keys, step, best, index, top, total, v, logits.stride(0),
+                                         0 if step.numel() == 1 else 1, inv,
                                          SPAN=span, BLOCK=BLOCK_V, GREEDY=greedy, FAST_LOG=fast_log,
                                          num_warps=NUM_WARPS)
         counter_pick_kernel[(b,)](logits, best, index, top, total, tokens, logp, logits.stride(0), inv,
@@ -204,7 +205,8 @@ def counter_draw(logits: Tensor, keys: Tensor, step: Tensor, *, temperature: flo
     Args:
         logits (Tensor): ``(B, V)`` scores of the next token (fp32, bf16 or fp16; rows contiguous).
         keys (Tensor): ``(B,)`` int64 row keys.
-        step (Tensor): ``(1,)`` int64 step counter.
+        step (Tensor): ``(1,)`` int64 step counter, or ``(B,)``: one per row (a multi-turn rollout's
+            rows are at different completion positions).
         temperature (float): divides the logits; 0 = greedy (argmax, log-prob at ``T = 1``).
 
     Returns:
@@ -219,8 +221,10 @@ def counter_draw(logits: Tensor, keys: Tensor, step: Tensor, *, temperature: flo
                          f"{tuple(logits.shape)}, strides {logits.stride()}, dtype {logits.dtype}")
     if keys.shape != (logits.shape[0],) or keys.dtype != torch.int64:
         raise ValueError(f"keys: expected ({logits.shape[0]},) int64, got {tuple(keys.shape)} {keys.dtype}")
-    if step.numel() != 1 or step.dtype != torch.int64:
-        raise ValueError(f"step: expected a (1,) int64 tensor, got {tuple(step.shape)} {step.dtype}")
+    if step.dim() != 1 or step.numel() not in (1, logits.shape[0]) or step.dtype != torch.int64 or (
+            step.numel() > 1 and step.stride(0) != 1):
+        raise ValueError(f"step: expected a (1,) or contiguous ({logits.shape[0]},) int64 tensor, got "
+                         f"{tuple(step.shape)} {step.dtype}")
     if not (logits.is_cuda or triton_interpreting()) or keys.device != logits.device or step.device != logits.device:
         raise ValueError(f"logits, keys and step must be on one CUDA device (or CPU under TRITON_INTERPRET=1), "
                          f"got {logits.device}, {keys.device}, {step.device}")

@@ -8,7 +8,8 @@ environment, its conversation and its counters. A sampler drives it with token i
 2. :meth:`TurnSession.end_turn` when a row samples a stop token: the turn is parsed and, unless the
    row is out of turns, its environment ``step`` starts at once on a thread of its own, so it runs
    while the other rows are still decoding;
-3. :meth:`TurnSession.continuation` when the sampler is ready to go on: waits for that step and
+3. :meth:`TurnSession.continuation` when the sampler takes the row on (once :meth:`TurnSession.ready`,
+   or blocking: it waits for that step, :meth:`TurnSession.wait_any` for the first of several) and
    returns the tokens to append (the template's text for the new messages and the next assistant
    header, :meth:`~logitless.generation.tools.chat_format.ToolChat.continuation`), or None when the
    trajectory is over (done, out of turns, an environment error, or no room left in the row's
@@ -26,7 +27,8 @@ Example:
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -149,6 +151,27 @@ class TurnSession:
             return
         self._pending[row] = (start_daemon(_timed_step, self.environments[row], list(traj.messages)),
                               time.perf_counter())
+
+    def waiting(self, row: int) -> bool:
+        """Whether the row's environment step was started and its continuation not yet taken."""
+        return row in self._pending
+
+    def ready(self, row: int) -> bool:
+        """Whether :meth:`continuation` would return at once: the row's step has finished (or has
+        run past ``step_timeout_s``), or the row has none."""
+        if row not in self._pending:
+            return True
+        future, started = self._pending[row]
+        return future.done() or time.perf_counter() - started >= self.step_timeout_s
+
+    def wait_any(self, rows: Sequence[int]) -> None:
+        """Blocks until one of ``rows`` is :meth:`ready` (at once when one is, or none is waiting)."""
+        waiting = [r for r in rows if r in self._pending]
+        if not waiting or any(self.ready(r) for r in waiting):
+            return
+        deadline = min(self._pending[r][1] for r in waiting) + self.step_timeout_s
+        futures_wait([self._pending[r][0] for r in waiting], timeout=max(0.0, deadline - time.perf_counter()),
+                     return_when=FIRST_COMPLETED)
 
     def continuation(self, row: int, room: int) -> Optional[List[int]]:
         """The tokens to append to the row after its turn, or None when its trajectory is over.

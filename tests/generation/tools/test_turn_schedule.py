@@ -1,0 +1,118 @@
+"""The multi-turn samplers' schedule: rows decode on their own clocks, tools of any latency give the
+same trajectories, and the compiled turn sampler samples what the eager reference samples."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from logitless.generation.sampling import prompt_generators
+from logitless.generation.tools.compiled import CompiledTurnSampler
+from logitless.generation.tools.eager import generate_turns
+from logitless.generation.tools.session import TurnSession
+from logitless.generation.tools import CHAT_FORMATS, ToolChat
+
+from .test_eager_turns import PAD, ROWS, STOPS, TOKENIZER, ChattyEnvironment, tiny_model
+
+
+class SlowEnvironment(ChattyEnvironment):
+    """ChattyEnvironment whose answers take a row- and turn-dependent time (0-24 ms)."""
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        time.sleep(((len(self.row["q"]) * 7 + turns * 5) % 4) * 0.008)
+        return super().step(messages)
+
+
+class LoggedEnvironment(ChattyEnvironment):
+    """Records ``(row question, turn)`` at every step; the first row's first answer takes 0.5 s."""
+
+    log = []
+    lock = threading.Lock()
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        with self.lock:
+            self.log.append((self.row["q"], turns))
+        if self.row is ROWS[0] and turns == 1:
+            time.sleep(0.5)
+        return super().step(messages)
+
+
+def _session(env_cls, num_generations=2, max_turns=4):
+    chat = ToolChat(CHAT_FORMATS["qwen2_5"], TOKENIZER)
+    return TurnSession(chat, env_cls, ROWS, num_generations=num_generations, max_turns=max_turns, stop_ids=STOPS)
+
+
+KW = dict(max_new_tokens=60, stop_tokens=STOPS, pad_id=PAD, temperature=1.0)
+
+
+def _same(a, b, atol=1e-9):
+    assert torch.equal(a.completion_tokens, b.completion_tokens)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.sampled_mask, b.sampled_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    torch.testing.assert_close(a.sampler_log_probs, b.sampler_log_probs, rtol=0, atol=atol)
+    assert [t.messages for t in a.trajectories] == [t.messages for t in b.trajectories]
+
+
+def test_tool_latency_does_not_change_the_trajectories():
+    """Draws are keyed by (row, position), rows write their own columns: when a tool answers moves a
+    row in time only. Instant and slow (0-24 ms, different per row and turn) tools, float64."""
+    model = tiny_model()
+    instant = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 3, range(3)), **KW)
+    slow = generate_turns(model, _session(SlowEnvironment), generator=prompt_generators(0, 3, range(3)), **KW)
+    assert max(t.turns for t in instant.trajectories) >= 3
+    assert len(set(int(m.sum()) for m in instant.completion_mask)) > 2  # rows of different lengths
+    _same(instant, slow, atol=0)
+
+
+def test_rows_do_not_wait_for_another_rows_tool():
+    """While the first row's tool takes 0.5 s, the other rows go through later turns: some row's
+    third environment step runs before the first row's second one (a turn barrier makes every row's
+    next turn wait for the slowest tool, so no third step could come first)."""
+    LoggedEnvironment.log = []
+    out = generate_turns(tiny_model(), _session(LoggedEnvironment, num_generations=1),
+                         generator=prompt_generators(0, 3, range(3)), **KW)
+    log = LoggedEnvironment.log
+    assert (ROWS[0]["q"], 2) in log, [t.turns for t in out.trajectories]
+    first_slow_second = log.index((ROWS[0]["q"], 2))
+    assert any(turn == 3 for _, turn in log[:first_slow_second]), log
+
+
+@pytest.mark.parametrize("options", [dict(sync_every=1), dict(sync_every=4, fused_projections="shared"),
+                                     dict(sync_every=16, fused_projections=True),
+                                     dict(sync_every=2, decode_attention="split_k")])
+def test_compiled_turn_sampler_equals_the_eager_reference(options):
+    """The grouped-attention step with per-row columns (uncompiled on the CPU, the code the compiler
+    traces; the split-K attention's reference on the CPU), the prompt prefilled once per group: the
+    eager reference's tokens, masks and trajectories; log-probs to float64 rounding (fp32 through the
+    split-K attention). Slow tools on one side only."""
+    model = tiny_model()
+    ref = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
+    sampler = CompiledTurnSampler(compile=False, **options)
+    out = sampler(model, _session(SlowEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
+    atol = 1e-5 if "decode_attention" in options else 1e-9  # the split-K attention accumulates in fp32
+    _same(out, ref, atol)
+    again = sampler(model, _session(ChattyEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
+    _same(again, ref, atol)  # the kept buffers are refilled, not reused stale
+
+
+def test_compiled_turn_sampler_budget_and_greedy():
+    """A budget that cuts rows mid-turn and mid-continuation, greedy: the same rows truncated, the
+    same tokens as the eager reference; no row exceeds its budget."""
+    model = tiny_model()
+    kw = dict(KW, max_new_tokens=13, temperature=0.0)
+    ref = generate_turns(model, _session(ChattyEnvironment), **kw)
+    out = CompiledTurnSampler(compile=False, sync_every=3)(model, _session(ChattyEnvironment), **kw)
+    _same(out, ref)
+    assert bool(ref.truncated.any())
+    assert int(out.completion_mask.sum(1).max()) <= 13
+
+
+def test_draws_generator_is_refused():
+    from logitless.generation.config import OptionError
+
+    with pytest.raises(OptionError, match="draws='generator'.*counter"):
+        CompiledTurnSampler(compile=False, draws="generator")
