@@ -131,9 +131,24 @@ def tiny_tools_cfg(tmp_path, *overrides):
 
 
 @pytest.mark.slow
+def test_compiled_turn_sampler_in_the_recipe_samples_what_the_eager_one_does(tmp_path):
+    """generation.backend: compiled on a tool config (the compiled turn sampler, uncompiled on the CPU):
+    two steps with the same rollouts as the eager turn sampler, so the same rewards, turns and calls."""
+    eager = GRPORecipe(tiny_tools_cfg(tmp_path / "eager", "max_steps=2")).run()
+    compiled = GRPORecipe(tiny_tools_cfg(tmp_path / "compiled", "max_steps=2", "generation.backend=compiled",
+                                         "generation.fused_projections=shared")).run()
+    assert sum(h["tools/calls_per_row"] for h in eager) > 0
+    for want, got in zip(eager, compiled):
+        for key in ("reward/mean", "turns/mean", "tools/calls_per_row", "sampled_tokens/mean",
+                    "completion_length/mean"):
+            assert want[key] == got[key], (key, want[key], got[key])
+        assert abs(want["loss"] - got["loss"]) < 1e-4
+
+
+@pytest.mark.slow
 def test_exact_resume_with_tool_turns(tmp_path):
-    """Tool turns are synchronised, so the random draws do not depend on the tools' timing: a run
-    resumed at step 2 equals the straight run (metrics of the turns included, final weights bit for bit)."""
+    """Draws are keyed by (row, position), so they do not depend on the tools' timing: a run resumed
+    at step 2 equals the straight run (metrics of the turns included, final weights bit for bit)."""
     straight = GRPORecipe(tiny_tools_cfg(tmp_path / "a", "max_steps=4", "save_every_n_steps=2")).run()
     GRPORecipe(tiny_tools_cfg(tmp_path / "b", "max_steps=2", "save_every_n_steps=2")).run()
     resumed = GRPORecipe(tiny_tools_cfg(tmp_path / "b", "max_steps=4", "save_every_n_steps=2",

@@ -157,7 +157,7 @@ def advance(state: TurnState, logits: torch.Tensor, draw: Draw) -> None:
     out_tokens = state["out_tokens"]
     token = torch.where(forced, out_tokens[rows, pos], nxt)
     at = (torch.where(active, rows, n), pos)  # idle rows write to the spare row
-    out_tokens.index_put_(at, torch.where(active, token, out_tokens[n, 0]))
+    out_tokens.index_put_(at, token)
     state["out_mask"].index_put_(at, active)
     state["out_sampled"].index_put_(at, active & ~forced)
     state["out_logp"].index_put_(at, torch.where(active & ~forced, logp, torch.zeros_like(logp)))
