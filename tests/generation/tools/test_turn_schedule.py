@@ -116,3 +116,18 @@ def test_draws_generator_is_refused():
 
     with pytest.raises(OptionError, match="draws='generator'.*counter"):
         CompiledTurnSampler(compile=False, draws="generator")
+
+
+def test_finished_rows_hide_their_cache_columns():
+    """A finished row's columns are hidden for the steps that remain (the split-K attention then
+    reads nothing of them) but its prompt's last one: after the rollout every row has exactly one
+    valid column, its prompt's last, and its outputs are what the eager reference wrote."""
+    model = tiny_model()
+    sampler = CompiledTurnSampler(compile=False, sync_every=2, keep_cache=True)
+    out = sampler(model, _session(ChattyEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
+    key_valid = sampler._buffers.state["key_valid"]
+    width = out.prompt_tokens.shape[1]
+    assert torch.equal(key_valid.sum(1), torch.ones(key_valid.shape[0], dtype=torch.long))
+    assert bool(key_valid[:, width - 1].all())
+    ref = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
+    _same(out, ref)

@@ -21,8 +21,9 @@ samples (the same state, draws and host loop: :mod:`logitless.generation.tools.t
 
 The cache and step buffers of one shape (rows, cache columns) are kept between calls, so the
 captured graph is replayed; the cache has ``prompt width + max_new_tokens + 1`` columns rounded up
-to ``cache_len_multiple``. Finished rows are not compacted away: they idle in their slot until the
-rollout ends. A model whose layers cannot run the grouped step (hooks, another attention class)
+to ``cache_len_multiple``. Finished rows are not compacted into smaller batches: they idle in their
+slot until the rollout ends, with their cache columns hidden so the attention reads almost nothing
+for them (:func:`~logitless.generation.tools.turn_step.retire_rows`). A model whose layers cannot run the grouped step (hooks, another attention class)
 is sampled by the eager reference instead.
 
 Example:

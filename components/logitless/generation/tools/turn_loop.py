@@ -12,7 +12,9 @@ token per step, on its own schedule) and, every ``sync_every`` steps, reads whic
 - when no row is decoding, the loop blocks until the first waiting row's environment answers.
 
 A row ends when its environment is done, it has had ``max_turns`` turns, its next continuation does
-not fit its budget, or the budget runs out mid-turn (the last two: ``truncated``).
+not fit its budget, or the budget runs out mid-turn (the last two: ``truncated``); from then on its
+cache columns are hidden (:func:`~logitless.generation.tools.turn_step.retire_rows`), so the steps
+that remain read almost nothing for it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from logitless.generation.result import Rollout
 from logitless.generation.tools.session import TurnSession
-from logitless.generation.tools.turn_step import TurnState
+from logitless.generation.tools.turn_step import TurnState, retire_rows
 
 __all__ = ["drive_turns", "turn_rollout"]
 
@@ -57,6 +59,7 @@ def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None]
         flags = torch.stack([state["active"], state["stopped"], state["cut"]]).cpu()
         length = state["length"].cpu().tolist()
         ended = (flags[1] | flags[2]).nonzero().squeeze(1).tolist()
+        finished = []
         if ended:
             state["stopped"].zero_()
             state["cut"].zero_()
@@ -64,10 +67,11 @@ def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None]
             for i, b in enumerate(ended):
                 cut = bool(flags[2, b])
                 session.end_turn(b, outputs[i, turn_start[b]:length[b]].tolist(), last=cut)
-                if cut:
-                    truncated[b] = True
-                elif session.waiting(b):
+                truncated[b] = cut
+                if not cut and session.waiting(b):
                     waiting.add(b)
+                else:
+                    finished.append(b)
         active = int(flags[0].sum())
         if waiting and not active:
             session.wait_any(sorted(waiting))
@@ -79,12 +83,14 @@ def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None]
             ids = session.continuation(b, budget - length[b])
             if ids is None:
                 truncated[b] = session.trajectories[b].out_of_budget
+                finished.append(b)
                 continue
             rows += [b] * len(ids)
             columns += range(length[b], length[b] + len(ids))
             values += ids
             ends.append((b, length[b] + len(ids)))
             turn_start[b] = length[b] + len(ids)
+        retire_rows(state, finished)
         if ends:
             device = state["length"].device
             state["out_tokens"].index_put_((torch.as_tensor(rows, device=device),

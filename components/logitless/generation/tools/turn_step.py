@@ -43,7 +43,8 @@ from logitless.generation.decode_step import _layer_step, kernel_draw
 from logitless.generation.sampling import sample_counter, token_hashes
 from logitless.generation.trunk import decoder_hidden, last_position_logits
 
-__all__ = ["TurnState", "advance", "eager_turn_step", "grouped_turn_step", "new_turn_state", "write_columns"]
+__all__ = ["TurnState", "advance", "eager_turn_step", "grouped_turn_step", "new_turn_state", "retire_rows",
+           "write_columns"]
 
 #: The buffers of one rollout's rows (:func:`new_turn_state`), by name.
 TurnState = Dict[str, torch.Tensor]
@@ -74,7 +75,7 @@ def new_turn_state(prompt_mask: torch.Tensor, keys: torch.Tensor, *, budget: int
         ``length`` ``(N,)`` (completion tokens so far), ``forced_end`` ``(N,)`` (appended tokens end
         there), the outputs ``out_tokens`` / ``out_mask`` / ``out_sampled`` / ``out_logp`` ``(N + 1,
         budget + 1)`` (a spare row and column where idle rows write), ``is_stop`` and ``token_hash``
-        ``(V,)``, and the scalars ``budget`` and ``scratch`` as ``(1,)`` tensors.
+        ``(V,)``, and the scalars ``width``, ``budget`` and ``scratch`` as ``(1,)`` tensors.
 
     Raises:
         ValueError: ``columns`` too small.
@@ -116,6 +117,7 @@ def new_turn_state(prompt_mask: torch.Tensor, keys: torch.Tensor, *, budget: int
         "out_logp": out(torch.float32),
         "is_stop": is_stop,
         "token_hash": token_hashes(vocab, device),
+        "width": torch.full((1,), width, dtype=torch.long, device=device),
         "budget": torch.full((1,), budget, dtype=torch.long, device=device),
         "scratch": torch.full((1,), columns - 1, dtype=torch.long, device=device),
     }
@@ -132,6 +134,18 @@ def write_columns(state: TurnState) -> torch.Tensor:
     # the split-K attention reads the first n_filled columns: every row's written ones
     state["n_filled"].copy_(state["fill"].max().reshape(1) + 1)
     return col
+
+
+def retire_rows(state: TurnState, rows: Sequence[int]) -> None:
+    """Hides every cache column of finished rows but their prompt's last one (always a real token),
+    so the split-K attention reads almost nothing for them (it loads only valid keys and values) in
+    the steps that remain: a finished row costs its share of the step's GEMMs, which read the weights
+    once for all rows, and little else. Its outputs are not touched."""
+    if not rows:
+        return
+    index = torch.as_tensor(list(rows), device=state["key_valid"].device)
+    state["key_valid"].index_fill_(0, index, False)
+    state["key_valid"][index, state["width"] - 1] = True
 
 
 def advance(state: TurnState, logits: torch.Tensor, draw: Draw) -> None:
