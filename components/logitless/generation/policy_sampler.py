@@ -165,6 +165,7 @@ class PolicySampler:
             sample_turns = self.eval_turn_sample_fn if evaluation else self.turn_sample_fn
             rollout = sample_turns(model, session, pad_id=self.pad_id, generator=generator,
                                    prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                                   segment_prefill_tokens=self.turns.settings.segment_prefill_tokens,
                                    **self.config.sampling_args(**overrides))
             conversation, info = TRAJECTORY_COLUMNS
             fields[conversation] = [t.messages for t in rollout.trajectories]

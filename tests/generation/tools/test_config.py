@@ -36,6 +36,8 @@ class NoStep:
     (["multi_turn.tool_timeout_s=-1"], "config key 'multi_turn.tool_timeout_s': expected a number of seconds > 0"),
     (["multi_turn.chat_format=mistral"], "config key 'multi_turn.chat_format': expected 'auto' or one of"),
     (["multi_turn.max_tools=2"], "config key 'multi_turn.max_tools': unknown"),
+    (["multi_turn.segment_prefill_tokens=1"], "config key 'multi_turn.segment_prefill_tokens': expected null or an "
+                                              "int >= 2, got 1"),
     (["tools=null"], "config key 'multi_turn': set, but neither 'tools' nor 'environment' is"),
     (["generation.backend=compiled", "generation.draws=generator"],
      "config key 'generation.draws': draws='generator': the multi-turn sampler draws"),

@@ -131,3 +131,49 @@ def test_finished_rows_hide_their_cache_columns():
     assert bool(key_valid[:, width - 1].all())
     ref = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 4, range(3)), **KW)
     _same(out, ref)
+
+
+def test_one_turn_compiled_turn_sampler_equals_the_single_turn_compiled_sampler():
+    """No continuation (the environment is done at once): the compiled turn sampler samples what the
+    single-turn compiled sampler samples, top-p included (the same counter streams and filters)."""
+    from logitless.generation.compiled import CompiledSampler
+
+    from .test_eager_turns import DoneEnvironment
+
+    model = tiny_model(torch.float32)
+    session = _session(DoneEnvironment, num_generations=3)
+    stops = [STOPS[0]] + list(range(0, 2026, 7))
+    kw = dict(max_new_tokens=12, stop_tokens=stops, pad_id=PAD, temperature=0.9, top_p=0.95)
+    out = CompiledTurnSampler(compile=False, sync_every=3)(model, session, generator=prompt_generators(0, 5, range(3)),
+                                                           **kw)
+    ref = CompiledSampler(compile=False)(model, session.prompts, num_generations=3,
+                                         generator=prompt_generators(0, 5, range(3)), **kw)
+    assert torch.equal(out.completion_tokens, ref.completion_tokens)
+    assert torch.equal(out.completion_mask, ref.completion_mask) and torch.equal(out.truncated, ref.truncated)
+    torch.testing.assert_close(out.sampler_log_probs, ref.sampler_log_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("threshold", [2, 18])
+def test_prefilled_continuations_equal_fed_ones(threshold):
+    """A continuation of ``segment_prefill_tokens`` or more goes into its row's cache in one forward of
+    that row: the rollout equals the one that feeds every continuation token by token (float64), in
+    the eager reference and in the compiled turn sampler (grouped steps, torchtune's layers for the
+    segment); with threshold 18 the 13- and 17-token continuations are fed, the 21- and 25-token ones
+    prefilled."""
+    model = tiny_model()
+    fed = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 6, range(3)),
+                         segment_prefill_tokens=None, **KW)
+    lengths = [len(m["content"]) for t in fed.trajectories for m in t.turn_messages if m["role"] == "user"]
+    assert len(set(lengths)) > 1
+    eager = generate_turns(model, _session(ChattyEnvironment), generator=prompt_generators(0, 6, range(3)),
+                           segment_prefill_tokens=threshold, **KW)
+    compiled = CompiledTurnSampler(compile=False, sync_every=3)(
+        model, _session(SlowEnvironment), generator=prompt_generators(0, 6, range(3)),
+        segment_prefill_tokens=threshold, **KW)
+    _same(eager, fed, atol=1e-9)
+    _same(compiled, fed, atol=1e-9)
+
+
+def test_bad_segment_prefill_tokens_is_named():
+    with pytest.raises(ValueError, match="segment_prefill_tokens must be None .* or an int >= 2, got 1"):
+        generate_turns(tiny_model(), _session(ChattyEnvironment), segment_prefill_tokens=1, **KW)

@@ -48,10 +48,12 @@ from logitless.generation.kernels.decode_attention.plan import default_split_len
 from logitless.generation.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from logitless.generation.result import Rollout, left_pad
 from logitless.generation.sampling import RandomSource
-from logitless.generation.tools.eager import check_turn_args, check_turn_length, generate_turns, turn_keys
+from logitless.generation.tools.eager import (DEFAULT_SEGMENT_PREFILL_TOKENS, check_turn_args, check_turn_length,
+                                              generate_turns, turn_keys)
 from logitless.generation.tools.session import TurnSession
 from logitless.generation.tools.turn_loop import drive_turns, turn_rollout
-from logitless.generation.tools.turn_step import TurnState, advance, grouped_turn_step, new_turn_state
+from logitless.generation.tools.turn_step import (TurnState, advance, grouped_turn_step, new_turn_state,
+                                                  prefill_segment)
 
 __all__ = ["CompiledTurnSampler"]
 
@@ -140,11 +142,13 @@ class CompiledTurnSampler:
         top_p: Optional[float] = None,
         generator: RandomSource = None,
         prefill_chunk_tokens: Optional[int] = None,
+        segment_prefill_tokens: Optional[int] = DEFAULT_SEGMENT_PREFILL_TOKENS,
     ) -> Rollout:
         """Samples a multi-turn trajectory for every row of ``session``.
 
         Args: as :func:`~logitless.generation.tools.eager.generate_turns` (``prefill_chunk_tokens``:
-            None keeps the sampler's own).
+            None keeps the sampler's own). A continuation prefilled in one forward
+            (``segment_prefill_tokens``) runs the model's own layers, outside the CUDA graph.
 
         Returns:
             Rollout: as :func:`~logitless.generation.tools.eager.generate_turns` returns it.
@@ -155,11 +159,13 @@ class CompiledTurnSampler:
         from logitless.modules import head_weight
 
         chunk = self.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
-        check_turn_args(model, session, max_new_tokens, stop_tokens, temperature, top_k, top_p, generator, chunk)
+        check_turn_args(model, session, max_new_tokens, stop_tokens, temperature, top_k, top_p, generator, chunk,
+                        segment_prefill_tokens)
         if not self.single._grouped_everywhere(model):
             return generate_turns(model, session, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                                   pad_id=pad_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  generator=generator, prefill_chunk_tokens=chunk)
+                                  generator=generator, prefill_chunk_tokens=chunk,
+                                  segment_prefill_tokens=segment_prefill_tokens)
         attns = attention_modules(model)
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
@@ -207,7 +213,9 @@ class CompiledTurnSampler:
                     torch.compiler.cudagraph_mark_step_begin()
                 step(model, state, kept.pairs, weight, draw, fused, split_k, programmatic, split_len)
 
-            truncated, self.last_steps = drive_turns(session, state, one_step, sync_every=self.config.sync_every)
+            truncated, self.last_steps = drive_turns(
+                session, state, one_step, sync_every=self.config.sync_every, prefill_tokens=segment_prefill_tokens,
+                prefill=lambda b, ids: prefill_segment(model, attns, kept.pairs, state, b, ids))
             rollout = turn_rollout(state, prompts.repeat_interleave(g, dim=0), full_mask, truncated, session)
         finally:
             model.train(was_training)

@@ -10,6 +10,7 @@
       tool_timeout_s: 10                     # per tool call
       step_timeout_s: 60                     # per environment step
       chat_format: auto                      # qwen2_5 | qwen3 | llama3 (auto: the tokenizer's family)
+      segment_prefill_tokens: 128            # a tool answer this long or longer: one forward (null: never)
 
 ``tools`` alone: every trajectory starts from its row's chat messages and each turn's calls are run
 (:class:`~logitless.generation.tools.environment.ToolEnvironment`). ``environment`` names a class
@@ -36,6 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from logitless.generation.tools.chat_format import CHAT_FORMATS, ToolChat, chat_format_for
+from logitless.generation.tools.eager import DEFAULT_SEGMENT_PREFILL_TOKENS
 from logitless.generation.tools.environment import ToolEnvironment, check_environment_class
 from logitless.generation.tools.execution import ToolExecutor
 from logitless.generation.tools.schema import ToolSchemaError, tool_schema
@@ -55,12 +57,16 @@ class TurnSettings:
         tool_timeout_s (float): seconds a tool call may take.
         step_timeout_s (float): seconds an environment step may take.
         chat_format (str): ``"auto"`` or a key of :data:`~logitless.generation.tools.chat_format.CHAT_FORMATS`.
+        segment_prefill_tokens (Optional[int]): a continuation (tool answer and chat headers) of at least
+            this many tokens goes into its row's cache in one forward; shorter ones are fed one token per
+            decode step (None: always fed).
     """
 
     max_turns: int = 4
     tool_timeout_s: float = 10.0
     step_timeout_s: float = 60.0
     chat_format: str = "auto"
+    segment_prefill_tokens: Optional[int] = DEFAULT_SEGMENT_PREFILL_TOKENS
 
 
 TURN_KEYS: Dict[str, Key] = {
@@ -68,7 +74,8 @@ TURN_KEYS: Dict[str, Key] = {
     "environment": Key((None,), default=None, component=True,
                        doc="a class with reset(row) -> messages and step(messages) -> (messages, done, info)"),
     "multi_turn": Key(object, default=None,
-                      doc="{max_turns, tool_timeout_s, step_timeout_s, chat_format} of tool / environment turns"),
+                      doc="{max_turns, tool_timeout_s, step_timeout_s, chat_format, segment_prefill_tokens} of "
+                          "tool / environment turns"),
 }
 
 
@@ -125,6 +132,10 @@ def _settings(node: Any) -> TurnSettings:
         value = getattr(out, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"config key 'multi_turn.{name}': expected a number of seconds > 0, got {value!r}")
+    prefill = out.segment_prefill_tokens
+    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 2):
+        raise ConfigError(f"config key 'multi_turn.segment_prefill_tokens': expected null or an int >= 2, got "
+                          f"{prefill!r}")
     if out.chat_format != "auto" and out.chat_format not in CHAT_FORMATS:
         raise ConfigError(f"config key 'multi_turn.chat_format': expected 'auto' or one of {sorted(CHAT_FORMATS)}, "
                           f"got {out.chat_format!r}")

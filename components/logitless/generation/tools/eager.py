@@ -9,8 +9,9 @@ own layers (:func:`~logitless.generation.tools.turn_step.eager_turn_step`), driv
   the other rows go on decoding;
 - as soon as a row's environment has answered, its continuation (the template's tokens for the
   environment's messages and the next assistant header) is fed through the following steps, one
-  token per step, into the row's own KV-cache columns (no prefill of the history); then the row
-  samples its next turn;
+  token per step, into the row's own KV-cache columns (no prefill of the history; a continuation of
+  ``segment_prefill_tokens`` or more goes in with one forward of that row); then the row samples
+  its next turn;
 - a row ends when its environment is done, it has had ``max_turns`` turns, the next continuation
   does not fit its budget (``truncated``), or its ``max_new_tokens`` budget (model and context
   tokens together) runs out mid-turn (``truncated``).
@@ -39,14 +40,14 @@ from logitless.generation.result import Rollout, left_pad
 from logitless.generation.sampling import RandomSource, check_random_source, check_sampling_args, row_keys
 from logitless.generation.tools.session import TurnSession
 from logitless.generation.tools.turn_loop import drive_turns, turn_rollout
-from logitless.generation.tools.turn_step import advance, eager_turn_step, new_turn_state
+from logitless.generation.tools.turn_step import advance, eager_turn_step, new_turn_state, prefill_segment
 
-__all__ = ["check_turn_args", "check_turn_length", "generate_turns", "turn_keys"]
+__all__ = ["DEFAULT_SEGMENT_PREFILL_TOKENS", "check_turn_args", "check_turn_length", "generate_turns", "turn_keys"]
 
 
 def check_turn_args(model: nn.Module, session: TurnSession, max_new_tokens: int, stop_tokens: Sequence[int],
                     temperature: float, top_k: Optional[int], top_p: Optional[float], generator: RandomSource,
-                    prefill_chunk_tokens: Optional[int] = None) -> None:
+                    prefill_chunk_tokens: Optional[int] = None, segment_prefill_tokens: Optional[int] = None) -> None:
     """The checks of a multi-turn sampler call, before any compute.
 
     Raises:
@@ -58,6 +59,10 @@ def check_turn_args(model: nn.Module, session: TurnSession, max_new_tokens: int,
         raise ValueError("stop_tokens must hold at least one token id (the chat format's end of turn)")
     check_sampling_args(temperature, top_k, top_p)
     check_prefill_chunk_tokens(prefill_chunk_tokens)
+    if segment_prefill_tokens is not None and (not isinstance(segment_prefill_tokens, int)
+                                               or isinstance(segment_prefill_tokens, bool) or segment_prefill_tokens < 2):
+        raise ValueError(f"segment_prefill_tokens must be None (feed every continuation one token per step) or an "
+                         f"int >= 2, got {segment_prefill_tokens!r}")
     check_random_source(generator, len(session.prompts))
     if model.caches_are_setup():
         raise ValueError("the model already has KV caches set up; the multi-turn samplers set up and delete their own")
@@ -70,6 +75,13 @@ def check_turn_length(model: nn.Module, width: int, max_new_tokens: int) -> None
         raise ValueError(f"the longest prompt ({width} tokens) + max_new_tokens ({max_new_tokens}) = "
                          f"{width + max_new_tokens} exceeds the model's max_seq_len={limit}; shorten the prompts or "
                          f"max_new_tokens")
+
+
+#: Continuations of at least this many tokens go into their row's cache in one forward of that row
+#: rather than one token per step. Fed, a continuation costs its row one step per token but no
+#: extra work (the steps run for the other rows anyway); prefilled, it costs one forward during which no
+#: other row moves. Long tool outputs (programs' prints, documents) are what it is for.
+DEFAULT_SEGMENT_PREFILL_TOKENS = 128
 
 
 def turn_keys(generator: RandomSource, temperature: float, num_prompts: int, num_generations: int,
@@ -94,6 +106,7 @@ def generate_turns(
     top_p: Optional[float] = None,
     generator: RandomSource = None,
     prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
+    segment_prefill_tokens: Optional[int] = DEFAULT_SEGMENT_PREFILL_TOKENS,
 ) -> Rollout:
     """Samples a multi-turn trajectory for every row of ``session`` (see the module docstring).
 
@@ -109,6 +122,9 @@ def generate_turns(
         generator (RandomSource): where the rows' counter-stream keys come from: one generator, or one
             per prompt (:func:`~logitless.generation.sampling.row_keys`, as the compiled sampler draws them).
         prefill_chunk_tokens (Optional[int]): tokens per prompt-prefill forward (None: one forward).
+        segment_prefill_tokens (Optional[int]): a continuation of at least this many tokens goes into
+            its row's cache in one forward of that row (:func:`~logitless.generation.tools.turn_step.prefill_segment`);
+            shorter ones are fed one token per step, alongside the other rows' tokens; None: always fed.
 
     Returns:
         Rollout: ``completion_tokens`` hold each row's turns and the continuations between them;
@@ -130,7 +146,7 @@ def generate_turns(
     from logitless.modules import head_weight
 
     check_turn_args(model, session, max_new_tokens, stop_tokens, temperature, top_k, top_p, generator,
-                    prefill_chunk_tokens)
+                    prefill_chunk_tokens, segment_prefill_tokens)
     param = next(model.parameters())
     device = param.device
     g = session.num_generations
@@ -155,8 +171,10 @@ def generate_turns(
             logits = prefill(model, tokens, input_pos=(prompt_mask.long().cumsum(1) - 1).clamp(min=0),
                              prompt_mask=prompt_mask, chunk_tokens=prefill_chunk_tokens, weight=weight)
             advance(state, logits, draw)
+            caches = [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns]
             truncated, _ = drive_turns(session, state, lambda: eager_turn_step(model, attns, state, weight, draw),
-                                    sync_every=1)
+                                       sync_every=1, prefill_tokens=segment_prefill_tokens,
+                                       prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
     finally:
         model.train(was_training)
     return turn_rollout(state, tokens, prompt_mask, truncated, session)

@@ -8,7 +8,9 @@ token per step, on its own schedule) and, every ``sync_every`` steps, reads whic
   decoding;
 - a row whose environment has answered gets its continuation (the template's tokens for the new
   messages and the next assistant header) written into its outputs and is active again from the next
-  step: no row waits for another row's tool, and no turn waits for the slowest row's turn;
+  step, which feeds the continuation one token per step (a long one, ``prefill_tokens`` or more, goes
+  into the row's cache in one forward of that row instead): no row waits for another row's tool, and
+  no turn waits for the slowest row's turn;
 - when no row is decoding, the loop blocks until the first waiting row's environment answers.
 
 A row ends when its environment is done, it has had ``max_turns`` turns, its next continuation does
@@ -19,7 +21,7 @@ that remain read almost nothing for it.
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -30,8 +32,9 @@ from logitless.generation.tools.turn_step import TurnState, retire_rows
 __all__ = ["drive_turns", "turn_rollout"]
 
 
-def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None], *,
-                sync_every: int) -> Tuple[List[bool], int]:
+def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None], *, sync_every: int,
+                prefill: Optional[Callable[[int, List[int]], None]] = None,
+                prefill_tokens: Optional[int] = None) -> Tuple[List[bool], int]:
     """Runs ``step`` until every row's trajectory is over (see the module docstring).
 
     Args:
@@ -40,6 +43,11 @@ def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None]
             on the prefill's logits).
         step (Callable[[], None]): one decode step of every row, in place.
         sync_every (int): steps between the host's reads of the rows' flags (its only syncs).
+        prefill (Optional[Callable[[int, List[int]], None]]): appends a continuation to a row in one
+            forward (:func:`~logitless.generation.tools.turn_step.prefill_segment`), for continuations of
+            at least ``prefill_tokens`` tokens; None (or ``prefill_tokens`` None): every continuation
+            is fed one token per step.
+        prefill_tokens (Optional[int]): see ``prefill``.
 
     Returns:
         Tuple[List[bool], int]: per row, whether the budget cut its trajectory; and the steps run.
@@ -84,6 +92,11 @@ def drive_turns(session: TurnSession, state: TurnState, step: Callable[[], None]
             if ids is None:
                 truncated[b] = session.trajectories[b].out_of_budget
                 finished.append(b)
+                continue
+            if prefill is not None and prefill_tokens is not None and len(ids) >= max(prefill_tokens, 2):
+                prefill(b, ids)  # the row is active again, its answer in its cache
+                turn_start[b] = length[b] + len(ids)
+                active += 1
                 continue
             rows += [b] * len(ids)
             columns += range(length[b], length[b] + len(ids))

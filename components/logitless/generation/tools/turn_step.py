@@ -43,8 +43,8 @@ from logitless.generation.decode_step import _layer_step, kernel_draw
 from logitless.generation.sampling import sample_counter, token_hashes
 from logitless.generation.trunk import decoder_hidden, last_position_logits
 
-__all__ = ["TurnState", "advance", "eager_turn_step", "grouped_turn_step", "new_turn_state", "retire_rows",
-           "write_columns"]
+__all__ = ["TurnState", "advance", "eager_turn_step", "grouped_turn_step", "new_turn_state", "prefill_segment",
+           "retire_rows", "write_columns"]
 
 #: The buffers of one rollout's rows (:func:`new_turn_state`), by name.
 TurnState = Dict[str, torch.Tensor]
@@ -189,31 +189,74 @@ def advance(state: TurnState, logits: torch.Tensor, draw: Draw) -> None:
 
 # ----------------------------------------------------------------------------------------- eager step
 class _RowColumnsCache(nn.Module):
-    """Stands in for a layer's torchtune ``KVCache`` during one forward: ``update`` writes the new
-    key/value of row ``b`` at column ``columns[b]`` and returns the whole cache (the mask selects)."""
+    """Stands in for a layer's torchtune ``KVCache`` during one forward: ``update`` writes query ``j``
+    of row ``b`` at column ``columns[b, j]`` of ``k_cache`` / ``v_cache`` and returns them whole (the
+    mask selects)."""
 
-    def __init__(self, cache: nn.Module, columns: torch.Tensor) -> None:
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, columns: torch.Tensor) -> None:
         super().__init__()
-        self.k_cache, self.v_cache, self.columns = cache.k_cache, cache.v_cache, columns
+        self.k_cache, self.v_cache, self.columns = k_cache, v_cache, columns
 
     def update(self, k_val: torch.Tensor, v_val: torch.Tensor):
-        rows = torch.arange(k_val.shape[0], device=k_val.device)
-        # (B, heads, 1, dim) -> (B, heads, dim): advanced indices around a slice put their dim first
-        self.k_cache[rows, :, self.columns] = k_val[:, :, 0].to(self.k_cache.dtype)
-        self.v_cache[rows, :, self.columns] = v_val[:, :, 0].to(self.v_cache.dtype)
+        rows = torch.arange(k_val.shape[0], device=k_val.device)[:, None]
+        # advanced indices around a slice put their dims first: (B, S, heads, dim)
+        self.k_cache[rows, :, self.columns] = k_val.transpose(1, 2).to(self.k_cache.dtype)
+        self.v_cache[rows, :, self.columns] = v_val.transpose(1, 2).to(self.v_cache.dtype)
         return self.k_cache, self.v_cache
 
 
 @contextlib.contextmanager
-def _write_at(attns: List[nn.Module], columns: torch.Tensor) -> Iterator[None]:
-    caches = [attn.kv_cache for attn in attns]
+def _write_at(attns: List[nn.Module], caches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+              columns: torch.Tensor) -> Iterator[None]:
+    """Each attention module writes into and reads from ``caches`` (its ``(k, v)``) at ``columns``."""
+    kept = [(attn.kv_cache, attn.cache_enabled) for attn in attns]
     try:
-        for attn, cache in zip(attns, caches):
-            attn.kv_cache = _RowColumnsCache(cache, columns)
+        for attn, (k, v) in zip(attns, caches):
+            attn.kv_cache, attn.cache_enabled = _RowColumnsCache(k, v, columns), True
         yield
     finally:
-        for attn, cache in zip(attns, caches):
-            attn.kv_cache = cache
+        for attn, (cache, enabled) in zip(attns, kept):
+            attn.kv_cache, attn.cache_enabled = cache, enabled
+
+
+def prefill_segment(model: nn.Module, attns: List[nn.Module], caches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                    state: TurnState, row: int, ids: Sequence[int]) -> None:
+    """Appends a long continuation to one row in one forward of that row alone, instead of feeding
+    it one token per step: the row's pending token (its turn's stop token) and ``ids[:-1]`` are
+    written at its next columns, ``ids`` go into its outputs as context, and the row is left as
+    ``len(ids)`` forced steps would leave it (``ids[-1]`` its next input, active). The forward has the
+    same shape whenever it runs (one row, ``len(ids)`` tokens), so where the other rows are does not
+    change its result.
+
+    Args:
+        model (nn.Module): a torchtune ``TransformerDecoder``.
+        attns (List[nn.Module]): its attention modules.
+        caches (Sequence[Tuple[torch.Tensor, torch.Tensor]]): each layer's ``(k, v)`` cache of every row.
+        state (TurnState): the rows (the row paused after its turn).
+        row (int): the row.
+        ids (Sequence[int]): the continuation (at least 2 tokens).
+    """
+    device = state["fill"].device
+    k = len(ids)
+    fill, pos, length = (int(state[name][row]) for name in ("fill", "input_pos", "length"))
+    tokens = torch.cat([state["tokens"][row], torch.as_tensor(list(ids[:-1]), dtype=torch.long, device=device)])
+    columns = fill + torch.arange(k, device=device)
+    valid = state["key_valid"][row].clone()
+    valid[fill:fill + k] = True
+    keys = torch.arange(valid.shape[0], device=device)
+    mask = valid[None, :] & (keys[None, :] <= columns[:, None])  # (k, columns): causal within the segment
+    one_row = [(kc[row:row + 1], vc[row:row + 1]) for kc, vc in caches]
+    with _write_at(attns, one_row, columns[None]):
+        decoder_hidden(model, tokens[None], input_pos=(pos + torch.arange(k, device=device))[None], mask=mask[None])
+    state["key_valid"][row, fill:fill + k] = True
+    state["out_tokens"][row, length:length + k] = torch.as_tensor(list(ids), dtype=torch.long, device=device)
+    state["out_mask"][row, length:length + k] = True
+    state["fill"][row] += k
+    state["input_pos"][row] += k
+    state["length"][row] += k
+    state["forced_end"][row] = length + k
+    state["tokens"][row] = ids[-1]
+    state["active"][row] = True
 
 
 def eager_turn_step(model: nn.Module, attns: List[nn.Module], state: TurnState, weight: torch.Tensor,
@@ -230,7 +273,7 @@ def eager_turn_step(model: nn.Module, attns: List[nn.Module], state: TurnState, 
         draw (Draw): ``(temperature, top_k, top_p, pad_id)``.
     """
     col = write_columns(state)
-    with _write_at(attns, col):
+    with _write_at(attns, [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns], col[:, None]):
         h = decoder_hidden(model, state["tokens"], input_pos=state["input_pos"], mask=state["key_valid"][:, None, :])
     advance(state, F.linear(model.norm(h[:, -1]), weight).float(), draw)
 
