@@ -10,7 +10,7 @@ def bench(load_benchmark):
     return load_benchmark("bench_tool_rollouts")
 
 
-@pytest.mark.slow  # ~20 s: the compiled sampler's CPU run and an update on each kind of rollout
+@pytest.mark.slow  # ~20 s: the compiled samplers' CPU runs and an update on each kind of rollout
 def test_multi_and_single_turn_rows_and_the_update(bench, tmp_path):
     out = tmp_path / "tools.csv"
     assert bench.main(["--models", "tiny", "--device", "cpu", "--no-compile", "--rows", "8", "--turns", "3",
@@ -19,17 +19,21 @@ def test_multi_and_single_turn_rows_and_the_update(bench, tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [(r["what"], r["sampler"], r["latency_ms"]) for r in rows] == [
         ("multi_turn", "eager_turns", "0.0"), ("multi_turn", "eager_turns", "20.0"),
+        ("multi_turn", "compiled_turns", "0.0"), ("multi_turn", "compiled_turns", "20.0"),
         ("single_turn", "eager", ""), ("single_turn", "compiled", "")]
     for r in rows:
         assert r["status"] == "ok" and float(r["tokens_per_s"]) > 0
         if r["what"] == "multi_turn":
             assert 1 < float(r["mean_turns"]) <= 3 and int(r["appended"]) > 0  # tool tokens were appended
             assert int(r["sampled"]) + int(r["appended"]) == round(float(r["mean_len"]) * 8)
+            assert float(r["same_as_instant"]) == 1.0  # the tools' latency does not change the rollout
+        if r["sampler"] in ("compiled_turns", "eager", "compiled"):
+            assert int(r["decode_steps"]) >= round(float(r["mean_len"]))  # the longest row sets the steps
         if r["update_s"]:
             assert float(r["update_s"]) > 0 and r["logits_gib"] != ""
-    # the single-turn rows decode the multi-turn rows' mean length
-    mean = sum(float(r["mean_len"]) for r in rows[:2]) / 2
-    assert float(rows[2]["mean_len"]) == round(mean)
+    # the two multi-turn samplers sample the same rollouts; the single-turn rows decode their mean length
+    assert len({r["mean_len"] for r in rows[:4]}) == 1
+    assert float(rows[4]["mean_len"]) == round(float(rows[0]["mean_len"]))
 
 
 def test_turn_stop_tokens_hold_the_share_of_the_vocabulary(bench):
