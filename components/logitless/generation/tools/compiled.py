@@ -194,7 +194,7 @@ class CompiledTurnSampler:
             logits, small = self.single._prefill(model, attns, prompts, prompt_mask, weight, dtype)
             replicate_prompts(small, kept.caches, g, width)
             del small
-            if weight.device.type == "cuda" and kernel_draw(logits, top_k, top_p):
+            if kernel_draw(logits, top_k, top_p):
                 register_counter_draw()  # before tracing: the step calls the op
             split_k = self.single.uses_split_k(device)
             split_len = 0

@@ -172,9 +172,10 @@ def generate_turns(
                              prompt_mask=prompt_mask, chunk_tokens=prefill_chunk_tokens, weight=weight)
             advance(state, logits, draw)
             caches = [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns]
-            truncated, _ = drive_turns(session, state, lambda: eager_turn_step(model, attns, state, weight, draw),
-                                       sync_every=1, prefill_tokens=segment_prefill_tokens,
-                                       prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
+            truncated, _ = drive_turns(
+                session, state, lambda: eager_turn_step(model, attns, caches, state, weight, draw), sync_every=1,
+                prefill_tokens=segment_prefill_tokens,
+                prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
     finally:
         model.train(was_training)
     return turn_rollout(state, tokens, prompt_mask, truncated, session)

@@ -177,15 +177,16 @@ def advance(state: TurnState, logits: torch.Tensor, draw: Draw) -> None:
     token = torch.where(forced, out_tokens[rows, pos], nxt)
     at = (torch.where(active, rows, n), pos)  # idle rows write to the spare row
     out_tokens.index_put_(at, token)
+    drawn = active & ~forced
     state["out_mask"].index_put_(at, active)
-    state["out_sampled"].index_put_(at, active & ~forced)
-    state["out_logp"].index_put_(at, torch.where(active & ~forced, logp, torch.zeros_like(logp)))
+    state["out_sampled"].index_put_(at, drawn)
+    state["out_logp"].index_put_(at, torch.where(drawn, logp, torch.zeros_like(logp)))
     step = active.long()
     pos.add_(step)
     state["fill"].add_(step)
     state["input_pos"].add_(step[:, None])
     state["tokens"].copy_(torch.where(active, token, state["tokens"][:, 0])[:, None])
-    stop = active & ~forced & state["is_stop"][token]
+    stop = drawn & state["is_stop"][token]
     cut = active & ~stop & (pos >= state["budget"])
     state["stopped"].copy_(state["stopped"] | stop)
     state["cut"].copy_(state["cut"] | cut)
@@ -264,21 +265,22 @@ def prefill_segment(model: nn.Module, attns: List[nn.Module], caches: Sequence[T
     state["active"][row] = True
 
 
-def eager_turn_step(model: nn.Module, attns: List[nn.Module], state: TurnState, weight: torch.Tensor,
-                    draw: Draw) -> None:
+def eager_turn_step(model: nn.Module, attns: List[nn.Module], caches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                    state: TurnState, weight: torch.Tensor, draw: Draw) -> None:
     """One step through torchtune's own layers (the reference): each row's token written at its
     column (:func:`write_columns`), attending to its valid columns; then :func:`advance`.
 
     Args:
-        model (nn.Module): a torchtune ``TransformerDecoder`` whose attention modules have the
-            rollout's caches attached (``[N, kv_heads, columns, head_dim]``).
+        model (nn.Module): a torchtune ``TransformerDecoder``.
         attns (List[nn.Module]): its attention modules.
+        caches (Sequence[Tuple[torch.Tensor, torch.Tensor]]): each layer's ``(k, v)`` cache,
+            ``[N, kv_heads, columns, head_dim]``.
         state (TurnState): the rows.
         weight (torch.Tensor): the head weight.
         draw (Draw): ``(temperature, top_k, top_p, pad_id)``.
     """
     col = write_columns(state)
-    with _write_at(attns, [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns], col[:, None]):
+    with _write_at(attns, caches, col[:, None]):
         h = decoder_hidden(model, state["tokens"], input_pos=state["input_pos"], mask=state["key_valid"][:, None, :])
     advance(state, F.linear(model.norm(h[:, -1]), weight).float(), draw)
 
