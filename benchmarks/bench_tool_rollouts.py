@@ -15,7 +15,7 @@ Then, at the mean total completion length ``L`` the trajectories reached (their 
 appended tool tokens), the single-turn samplers decode ``L`` tokens per row without stopping: the
 eager reference (``generate``) and the compiled sampler (``CompiledSampler``, fused projections).
 Reported per row of the CSV: wall seconds, completion tokens per second (sampled and appended),
-sampled tokens per second, mean turns, tool seconds per row, the decode steps and the wall time per
+sampled tokens per second, mean turns, the longest row's length, tool seconds per row, the decode steps and the wall time per
 step (compiled turn sampler and single-turn samplers), and for a multi-turn rollout with
 latency whether it equals the same sampler's rollout with instant tools (``same_as_instant``: the
 fraction of rows whose tokens are identical; the draws are keyed by row and position, so a tool's
@@ -44,11 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_generation import MODELS, _sync, _table, build_model, save_rows  # noqa: E402
 
 FIELDS = ["date", "gpu", "torch", "triton", "torchtune", "model", "what", "sampler", "rows", "G", "prompt_len",
-          "turns", "turn_tokens", "tool_tokens", "latency_ms", "mean_turns", "mean_len", "sampled", "appended",
-          "seconds", "tokens_per_s", "sampled_per_s", "tool_s_per_row", "same_as_instant", "decode_steps",
-          "ms_per_step", "update_s", "peak_gib",
-          "logits_gib", "status"]
-TABLE = ["model", "what", "sampler", "latency_ms", "mean_turns", "mean_len", "seconds", "tokens_per_s",
+          "turns", "turn_tokens", "tool_tokens", "segment_prefill_tokens", "latency_ms", "mean_turns", "mean_len",
+          "max_len", "sampled", "appended", "seconds", "tokens_per_s", "sampled_per_s", "tool_s_per_row", "same_as_instant",
+          "decode_steps", "ms_per_step", "update_s", "peak_gib", "logits_gib", "status"]
+TABLE = ["model", "what", "sampler", "segment_prefill_tokens", "latency_ms", "mean_turns", "mean_len", "max_len", "seconds", "tokens_per_s",
          "sampled_per_s", "same_as_instant", "decode_steps", "ms_per_step", "update_s", "peak_gib", "logits_gib",
          "status"]
 GROUP = 8
@@ -95,8 +94,9 @@ def turn_stop_tokens(vocab, turn_tokens, seed=0):
     return perm[:count].tolist()
 
 
-def multi_turn(model, sampler, args, latency_ms, seed):
-    """(seconds, rollout) of one multi-turn rollout."""
+def multi_turn(model, sampler, args, latency_ms, seed, segment_prefill="auto"):
+    """(seconds, rollout) of one multi-turn rollout; tool answers of ``segment_prefill`` tokens or more
+    go in with one forward of their row (None: fed one token per step; "auto": the sampler's default)."""
     from logitless.generation.tools.session import TurnSession
     from logitless.generation import prompt_generators
 
@@ -114,7 +114,8 @@ def multi_turn(model, sampler, args, latency_ms, seed):
     _sync(device)
     t0 = time.perf_counter()
     rollout = sampler(model, session, max_new_tokens=budget, stop_tokens=stops, pad_id=0, temperature=1.0,
-                             generator=prompt_generators(seed, 0, range(prompts), device))
+                      generator=prompt_generators(seed, 0, range(prompts), device),
+                      **({} if segment_prefill == "auto" else dict(segment_prefill_tokens=segment_prefill)))
     _sync(device)
     return time.perf_counter() - t0, rollout
 
@@ -182,30 +183,36 @@ def bench_model(name, args, device):
     if "compiled_turns" in args.turn_samplers and not args.no_compiled:
         turn_samplers["compiled_turns"] = CompiledTurnSampler(compile=not args.no_compile, fused_projections="shared")
     lengths, rollouts = [], {}
-    for label, sampler in turn_samplers.items():
-        multi_turn(model, sampler, args, 0, seed=0)  # warm-up: compile / capture, allocator
+    runs = [(label, prefill) for label in turn_samplers for prefill in args.segment_prefill_tokens]
+    for label, prefill in runs:
+        sampler = turn_samplers[label]
+        multi_turn(model, sampler, args, 0, seed=0, segment_prefill=prefill)  # warm-up: compile, allocator
         instant = None
         for latency in args.latency_ms:
-            seconds, rollout = multi_turn(model, sampler, args, latency, seed=1)
+            seconds, rollout = multi_turn(model, sampler, args, latency, seed=1, segment_prefill=prefill)
             real = int(rollout.completion_mask.sum())
             sampled = int(rollout.loss_mask.sum())
             trajectories = rollout.trajectories
             lengths.append(real / args.rows)
-            rollouts[(label, latency)] = rollout
+            rollouts[(label, prefill, latency)] = rollout
             if instant is None:
                 instant = rollout
             same = (rollout.completion_tokens.shape == instant.completion_tokens.shape and
                     (rollout.completion_tokens == instant.completion_tokens).all(1).float().mean().item())
             rows.append(dict(base, what="multi_turn", sampler=label, latency_ms=latency,
+                             segment_prefill_tokens="" if prefill is None else prefill,
                              mean_turns=round(sum(t.turns for t in trajectories) / len(trajectories), 2),
-                             mean_len=round(real / args.rows, 1), sampled=sampled, appended=real - sampled,
+                             mean_len=round(real / args.rows, 1),
+                             max_len=int(rollout.completion_mask.sum(1).max()), sampled=sampled, appended=real - sampled,
                              seconds=round(seconds, 3), tokens_per_s=round(real / seconds, 1),
                              sampled_per_s=round(sampled / seconds, 1), same_as_instant=round(float(same), 3),
                              **_steps(getattr(sampler, "last_steps", 0), seconds),
                              tool_s_per_row=round(sum(t.tool_seconds for t in trajectories) / len(trajectories), 3)))
     length = max(1, round(sum(lengths) / len(lengths)))
-    samplers = {"eager": generate}
-    if not args.no_compiled:
+    samplers = {}
+    if "eager" in args.single_samplers:
+        samplers["eager"] = generate
+    if "compiled" in args.single_samplers and not args.no_compiled:
         samplers["compiled"] = CompiledSampler(compile=not args.no_compile, fused_projections="shared")
     for label, sampler in samplers.items():
         single_turn(model, sampler, args, length, seed=0)  # compile / capture
@@ -213,13 +220,18 @@ def bench_model(name, args, device):
         real = int(rollout.completion_mask.sum())
         rows.append(dict(base, what="single_turn", sampler=label, latency_ms="", mean_turns=1,
                          **_steps(rollout.completion_tokens.shape[1], seconds),
-                         mean_len=round(real / args.rows, 1), sampled=real, appended=0, seconds=round(seconds, 3),
+                         mean_len=round(real / args.rows, 1), max_len=int(rollout.completion_mask.sum(1).max()),
+                         sampled=real, appended=0, seconds=round(seconds, 3),
                          tokens_per_s=round(real / seconds, 1), sampled_per_s=round(real / seconds, 1)))
         rollouts[label] = rollout
     if args.update:
         for row in rows:
-            key = (row["sampler"], row["latency_ms"]) if row["what"] == "multi_turn" else row["sampler"]
-            if row["what"] == "single_turn" and row["sampler"] != "eager":  # the same rollout as eager's
+            key = row["sampler"]
+            if row["what"] == "multi_turn":
+                key = (row["sampler"], row["segment_prefill_tokens"] if row["segment_prefill_tokens"] != "" else None,
+                       row["latency_ms"])
+            if row["what"] == "single_turn" and row["sampler"] == "compiled" and "eager" in samplers:
+                # the same rollout as eager's
                 continue
             seconds, peak, logits = update(model, rollouts[key], device)
             row.update(update_s=round(seconds, 3), peak_gib=round(peak, 2), logits_gib=round(logits, 4))
@@ -236,8 +248,15 @@ def parse_args(argv=None):
     ap.add_argument("--tool-tokens", type=int, default=32, help="tokens of each tool answer")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--latency-ms", default="0,50", help="comma list of tool latencies")
+    ap.add_argument("--segment-prefill-tokens", default="auto",
+                    help="comma list: a multi-turn run per value; tool answers this long or longer go in with one "
+                         "forward of their row ('none': fed one token per step; 'auto': each sampler's default, "
+                         "128 eager, 1024 compiled)")
     ap.add_argument("--turn-samplers", default="eager_turns,compiled_turns",
                     help="comma list of the multi-turn samplers to run: eager_turns, compiled_turns")
+    ap.add_argument("--single-samplers", default="eager,compiled",
+                    help="comma list of the single-turn samplers to run at the same mean length: eager, compiled "
+                         "(empty: none)")
     ap.add_argument("--update", action="store_true", help="also time one GRPO update and its peak memory")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-compile", action="store_true", help="the compiled samplers without torch.compile")
@@ -250,6 +269,17 @@ def parse_args(argv=None):
         ap.error(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
     args.latency_ms = [float(x) for x in args.latency_ms.split(",")]
     args.turn_samplers = args.turn_samplers.split(",")
+    args.single_samplers = [x for x in args.single_samplers.split(",") if x]
+    if any(x not in ("eager", "compiled") for x in args.single_samplers):
+        ap.error(f"--single-samplers: expected a comma list of eager, compiled; got {args.single_samplers}")
+    raw, words = args.segment_prefill_tokens, {"none": None, "auto": "auto"}
+    try:
+        args.segment_prefill_tokens = [words[x.strip().lower()] if x.strip().lower() in words else int(x)
+                                       for x in raw.split(",")]
+    except ValueError:
+        args.segment_prefill_tokens = [0]
+    if any(isinstance(x, int) and x < 2 for x in args.segment_prefill_tokens):
+        ap.error(f"--segment-prefill-tokens: expected a comma list of ints >= 2, 'none' or 'auto', got {raw!r}")
     bad = [t for t in args.turn_samplers if t not in ("eager_turns", "compiled_turns")]
     if bad or not args.turn_samplers:
         ap.error(f"--turn-samplers: unknown {bad}; choose from eager_turns, compiled_turns")

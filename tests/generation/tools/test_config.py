@@ -36,8 +36,10 @@ class NoStep:
     (["multi_turn.tool_timeout_s=-1"], "config key 'multi_turn.tool_timeout_s': expected a number of seconds > 0"),
     (["multi_turn.chat_format=mistral"], "config key 'multi_turn.chat_format': expected 'auto' or one of"),
     (["multi_turn.max_tools=2"], "config key 'multi_turn.max_tools': unknown"),
-    (["multi_turn.segment_prefill_tokens=1"], "config key 'multi_turn.segment_prefill_tokens': expected null or an "
-                                              "int >= 2, got 1"),
+    (["multi_turn.segment_prefill_tokens=1"], "config key 'multi_turn.segment_prefill_tokens': expected 'auto', "
+                                              "null or an int >= 2, got 1"),
+    (["multi_turn.segment_prefill_tokens=often"], "config key 'multi_turn.segment_prefill_tokens': expected 'auto', "
+                                                  "null or an int >= 2, got 'often'"),
     (["tools=null"], "config key 'multi_turn': set, but neither 'tools' nor 'environment' is"),
     (["generation.backend=compiled", "generation.draws=generator"],
      "config key 'generation.draws': draws='generator': the multi-turn sampler draws"),
@@ -70,3 +72,31 @@ def test_the_tiny_config_builds_its_turns():
         build_tool_turns(cfg, tokenizer, [2026])
     assert [f.__name__ for f in load_tools([CALC])] == ["calculator"]
     assert check_turn_config(_cfg("tools=null", "multi_turn=null")) is None
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.mark.parametrize("setting, passed", [("auto", {}), (None, {"segment_prefill_tokens": None}),
+                                             (64, {"segment_prefill_tokens": 64})])
+def test_segment_prefill_tokens_reaches_the_turn_sampler(setting, passed):
+    """'auto' leaves each sampler its own default (128 eager, 1024 compiled); a number or null is passed on."""
+    from logitless.generation.config import SamplerConfig
+    from logitless.generation.policy_sampler import PolicySampler
+
+    cfg = validate_grpo_config(_cfg(f"multi_turn.segment_prefill_tokens={'null' if setting is None else setting}"))
+    assert check_turn_config(cfg).segment_prefill_tokens == setting
+    tokenizer = tiny_qwen2_5_tokenizer()
+    turns = build_tool_turns(cfg, tokenizer, tokenizer.stop_tokens)
+    seen = {}
+
+    def sampler(model, session, **kwargs):
+        seen.update(kwargs)
+        raise _Called
+
+    policy = PolicySampler(None, None, SamplerConfig(max_new_tokens=8, stop_tokens=tokenizer.stop_tokens), tokenizer,
+                           None, turns=turns, turn_sample_fns=(sampler, sampler))
+    with pytest.raises(_Called):
+        policy.sample(object(), [{"prompt_messages": [{"role": "user", "content": "1+1="}], "answer": "2"}], 2, None)
+    assert {k: v for k, v in seen.items() if k == "segment_prefill_tokens"} == passed

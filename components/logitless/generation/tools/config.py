@@ -10,7 +10,8 @@
       tool_timeout_s: 10                     # per tool call
       step_timeout_s: 60                     # per environment step
       chat_format: auto                      # qwen2_5 | qwen3 | llama3 (auto: the tokenizer's family)
-      segment_prefill_tokens: 128            # a tool answer this long or longer: one forward (null: never)
+      segment_prefill_tokens: auto           # a tool answer this long or longer: one forward (null: never;
+                                             # auto: the sampler's own, 128 eager, 1024 compiled)
 
 ``tools`` alone: every trajectory starts from its row's chat messages and each turn's calls are run
 (:class:`~logitless.generation.tools.environment.ToolEnvironment`). ``environment`` names a class
@@ -32,12 +33,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from logitless.generation.tools.chat_format import CHAT_FORMATS, ToolChat, chat_format_for
-from logitless.generation.tools.eager import DEFAULT_SEGMENT_PREFILL_TOKENS
 from logitless.generation.tools.environment import ToolEnvironment, check_environment_class
 from logitless.generation.tools.execution import ToolExecutor
 from logitless.generation.tools.schema import ToolSchemaError, tool_schema
@@ -57,16 +57,18 @@ class TurnSettings:
         tool_timeout_s (float): seconds a tool call may take.
         step_timeout_s (float): seconds an environment step may take.
         chat_format (str): ``"auto"`` or a key of :data:`~logitless.generation.tools.chat_format.CHAT_FORMATS`.
-        segment_prefill_tokens (Optional[int]): a continuation (tool answer and chat headers) of at least
-            this many tokens goes into its row's cache in one forward; shorter ones are fed one token per
-            decode step (None: always fed).
+        segment_prefill_tokens (Union[str, int, None]): a continuation (tool answer and chat headers) of
+            at least this many tokens goes into its row's cache in one forward; shorter ones are fed one
+            token per decode step (None: always fed; ``"auto"``: the sampler's own default,
+            :data:`~logitless.generation.tools.eager.DEFAULT_SEGMENT_PREFILL_TOKENS` for the eager one,
+            :data:`~logitless.generation.tools.compiled.COMPILED_SEGMENT_PREFILL_TOKENS` for the compiled one).
     """
 
     max_turns: int = 4
     tool_timeout_s: float = 10.0
     step_timeout_s: float = 60.0
     chat_format: str = "auto"
-    segment_prefill_tokens: Optional[int] = DEFAULT_SEGMENT_PREFILL_TOKENS
+    segment_prefill_tokens: Union[str, int, None] = "auto"
 
 
 TURN_KEYS: Dict[str, Key] = {
@@ -133,9 +135,10 @@ def _settings(node: Any) -> TurnSettings:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"config key 'multi_turn.{name}': expected a number of seconds > 0, got {value!r}")
     prefill = out.segment_prefill_tokens
-    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int) or prefill < 2):
-        raise ConfigError(f"config key 'multi_turn.segment_prefill_tokens': expected null or an int >= 2, got "
-                          f"{prefill!r}")
+    if prefill is not None and prefill != "auto" and (isinstance(prefill, bool) or not isinstance(prefill, int)
+                                                      or prefill < 2):
+        raise ConfigError(f"config key 'multi_turn.segment_prefill_tokens': expected 'auto', null or an int >= 2, "
+                          f"got {prefill!r}")
     if out.chat_format != "auto" and out.chat_format not in CHAT_FORMATS:
         raise ConfigError(f"config key 'multi_turn.chat_format': expected 'auto' or one of {sorted(CHAT_FORMATS)}, "
                           f"got {out.chat_format!r}")

@@ -78,9 +78,10 @@ def check_turn_length(model: nn.Module, width: int, max_new_tokens: int) -> None
 
 
 #: Continuations of at least this many tokens go into their row's cache in one forward of that row
-#: rather than one token per step. Fed, a continuation costs its row one step per token but no
-#: extra work (the steps run for the other rows anyway); prefilled, it costs one forward during which no
-#: other row moves. Long tool outputs (programs' prints, documents) are what it is for.
+#: rather than one token per step (the eager sampler's default). Fed, a continuation costs its row one
+#: step per token but no extra work (the steps run for the other rows anyway); prefilled, it costs one
+#: forward during which no other row moves. An eager step costs about what that forward costs (both are
+#: bound by the host's launches), so here even a short answer is worth its forward.
 DEFAULT_SEGMENT_PREFILL_TOKENS = 128
 
 
