@@ -110,3 +110,31 @@ def test_tool_latency_moves_rows_in_time_not_their_tokens():
     # schedule moves rows in time, their logits stay bit-identical
     assert torch.equal(slow.completion_tokens, instant.completion_tokens)
     assert torch.equal(slow.sampler_log_probs, instant.sampler_log_probs)
+
+
+def test_prefilled_answers_equal_eager_and_ignore_latency():
+    """Answers of 12 and 19 tokens go in with one forward of their row (``segment_prefill_tokens=8``),
+    5-token ones are fed: the compiled sampler matches the eager one doing the same, and a tool's
+    latency still leaves every token and log-prob bit-identical (the segment forward's shape is the
+    answer's, whatever the other rows are doing)."""
+    model = _model("qwen2_5_0_5b")
+    vocab = model.tok_embeddings.num_embeddings
+
+    def run(sampler, delay):
+        session, stops = _session(vocab, delay)
+        return sampler(model, session, max_new_tokens=160, stop_tokens=stops, pad_id=0, temperature=1.0,
+                       generator=prompt_generators(0, 7, range(PROMPTS), "cuda"), segment_prefill_tokens=8)
+
+    ref = run(generate_turns, lambda p, turn: 0.0)
+    fed = ref.completion_mask & ~ref.sampled_mask
+    assert (fed.sum(1) >= 12).float().mean() > 0.5  # most rows read a prefilled answer
+    sampler = CompiledTurnSampler(compile=True, fused_projections="shared", sync_every=4)
+    instant = run(sampler, lambda p, turn: 0.0)
+    same = (instant.completion_tokens == ref.completion_tokens).all(1) if instant.completion_tokens.shape == \
+        ref.completion_tokens.shape else torch.zeros(1, dtype=torch.bool)
+    assert same.float().mean() >= 0.9, same
+    rows = same.nonzero().squeeze(1)
+    torch.testing.assert_close(instant.sampler_log_probs[rows], ref.sampler_log_probs[rows], rtol=0, atol=2e-3)
+    slow = run(sampler, lambda p, turn: 0.004 * ((p * 3 + turn) % 5))
+    assert torch.equal(slow.completion_tokens, instant.completion_tokens)
+    assert torch.equal(slow.sampler_log_probs, instant.sampler_log_probs)
