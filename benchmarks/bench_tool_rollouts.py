@@ -115,7 +115,7 @@ def multi_turn(model, sampler, args, latency_ms, seed, segment_prefill="auto"):
     t0 = time.perf_counter()
     rollout = sampler(model, session, max_new_tokens=budget, stop_tokens=stops, pad_id=0, temperature=1.0,
                       generator=prompt_generators(seed, 0, range(prompts), device),
-                      **({} if segment_prefill == "auto" else dict(segment_prefill_tokens=segment_prefill)))
+                      segment_prefill_tokens=segment_prefill)
     _sync(device)
     return time.perf_counter() - t0, rollout
 

@@ -163,10 +163,9 @@ class PolicySampler:
         if self.turns is not None:
             session = self.turns.session(rows, num_generations)
             sample_turns = self.eval_turn_sample_fn if evaluation else self.turn_sample_fn
-            segment = self.turns.settings.segment_prefill_tokens
-            segment = {} if segment == "auto" else dict(segment_prefill_tokens=segment)  # "auto": the sampler's own
             rollout = sample_turns(model, session, pad_id=self.pad_id, generator=generator,
-                                   prefill_chunk_tokens=self.config.prefill_chunk_tokens, **segment,
+                                   prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                                   segment_prefill_tokens=self.turns.settings.segment_prefill_tokens,
                                    **self.config.sampling_args(**overrides))
             conversation, info = TRAJECTORY_COLUMNS
             fields[conversation] = [t.messages for t in rollout.trajectories]

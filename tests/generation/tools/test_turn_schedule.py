@@ -177,3 +177,37 @@ def test_prefilled_continuations_equal_fed_ones(threshold):
 def test_bad_segment_prefill_tokens_is_named():
     with pytest.raises(ValueError, match="segment_prefill_tokens must be None .* or an int >= 2, got 1"):
         generate_turns(tiny_model(), _session(ChattyEnvironment), segment_prefill_tokens=1, **KW)
+    with pytest.raises(ValueError, match="segment_prefill_tokens must be None .*'auto'.* got 'often'"):
+        generate_turns(tiny_model(), _session(ChattyEnvironment), segment_prefill_tokens="often", **KW)
+
+
+def test_auto_segment_prefill_is_each_samplers_default(monkeypatch):
+    """``"auto"`` (the default): 128 tokens for the eager sampler, whose steps cost about a segment's
+    forward, 1024 for the compiled one, whose steps are CUDA graphs; a model the compiled sampler
+    cannot group falls back to the eager sampler and to its default."""
+    from logitless.generation.tools import compiled as compiled_mod
+    from logitless.generation.tools import eager as eager_mod
+    from logitless.generation.tools.compiled import COMPILED_SEGMENT_PREFILL_TOKENS
+    from logitless.generation.tools.eager import DEFAULT_SEGMENT_PREFILL_TOKENS
+
+    assert (DEFAULT_SEGMENT_PREFILL_TOKENS, COMPILED_SEGMENT_PREFILL_TOKENS) == (128, 1024)
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def drive(*args, prefill_tokens, **kwargs):
+        seen.append(prefill_tokens)
+        raise Seen  # the threshold is all this test needs, not the rollout
+
+    monkeypatch.setattr(eager_mod, "drive_turns", drive)
+    monkeypatch.setattr(compiled_mod, "drive_turns", drive)
+    model = tiny_model()
+    sampler = CompiledTurnSampler(compile=False)
+    for sample in (generate_turns, sampler, "fallback"):
+        if sample == "fallback":
+            monkeypatch.setattr(sampler.single, "_grouped_everywhere", lambda m: False)
+            sample = sampler
+        with pytest.raises(Seen):
+            sample(model, _session(ChattyEnvironment), generator=prompt_generators(0, 6, range(3)), **KW)
+    assert seen == [128, 1024, 128]

@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -147,14 +147,15 @@ class CompiledTurnSampler:
         top_p: Optional[float] = None,
         generator: RandomSource = None,
         prefill_chunk_tokens: Optional[int] = None,
-        segment_prefill_tokens: Optional[int] = COMPILED_SEGMENT_PREFILL_TOKENS,
+        segment_prefill_tokens: Union[int, str, None] = "auto",
     ) -> Rollout:
         """Samples a multi-turn trajectory for every row of ``session``.
 
         Args: as :func:`~logitless.generation.tools.eager.generate_turns` (``prefill_chunk_tokens``:
             None keeps the sampler's own). A continuation prefilled in one forward
-            (``segment_prefill_tokens``, default :data:`COMPILED_SEGMENT_PREFILL_TOKENS`) runs the
-            model's own layers, outside the CUDA graph.
+            (``segment_prefill_tokens``; ``"auto"``: :data:`COMPILED_SEGMENT_PREFILL_TOKENS`, or the
+            eager sampler's default where a model falls back to it) runs the model's own layers,
+            outside the CUDA graph.
 
         Returns:
             Rollout: as :func:`~logitless.generation.tools.eager.generate_turns` returns it.
@@ -174,6 +175,8 @@ class CompiledTurnSampler:
                                   segment_prefill_tokens=segment_prefill_tokens)
         attns = attention_modules(model)
         param = next(model.parameters())
+        segment_threshold = (COMPILED_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto"
+                             else segment_prefill_tokens)
         device, dtype = param.device, param.dtype
         self.single.uses_programmatic_launch(device)  # an unsupported programmatic_launch=True: an error now
         g = session.num_generations
@@ -220,8 +223,8 @@ class CompiledTurnSampler:
                 step(model, state, kept.pairs, weight, draw, fused, split_k, programmatic, split_len)
 
             truncated, self.last_steps = drive_turns(
-                session, state, one_step, sync_every=self.config.sync_every, prefill_tokens=segment_prefill_tokens,
-                prefill=lambda b, ids: prefill_segment(model, attns, kept.pairs, state, b, ids))
+                session, state, one_step, sync_every=self.config.sync_every,
+                prefill_tokens=segment_threshold, prefill=lambda b, ids: prefill_segment(model, attns, kept.pairs, state, b, ids))
             rollout = turn_rollout(state, prompts.repeat_interleave(g, dim=0), full_mask, truncated, session)
         finally:
             model.train(was_training)

@@ -29,7 +29,7 @@ its share of the batch).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -47,7 +47,8 @@ __all__ = ["DEFAULT_SEGMENT_PREFILL_TOKENS", "check_turn_args", "check_turn_leng
 
 def check_turn_args(model: nn.Module, session: TurnSession, max_new_tokens: int, stop_tokens: Sequence[int],
                     temperature: float, top_k: Optional[int], top_p: Optional[float], generator: RandomSource,
-                    prefill_chunk_tokens: Optional[int] = None, segment_prefill_tokens: Optional[int] = None) -> None:
+                    prefill_chunk_tokens: Optional[int] = None,
+                    segment_prefill_tokens: Union[int, str, None] = None) -> None:
     """The checks of a multi-turn sampler call, before any compute.
 
     Raises:
@@ -59,10 +60,11 @@ def check_turn_args(model: nn.Module, session: TurnSession, max_new_tokens: int,
         raise ValueError("stop_tokens must hold at least one token id (the chat format's end of turn)")
     check_sampling_args(temperature, top_k, top_p)
     check_prefill_chunk_tokens(prefill_chunk_tokens)
-    if segment_prefill_tokens is not None and (not isinstance(segment_prefill_tokens, int)
-                                               or isinstance(segment_prefill_tokens, bool) or segment_prefill_tokens < 2):
-        raise ValueError(f"segment_prefill_tokens must be None (feed every continuation one token per step) or an "
-                         f"int >= 2, got {segment_prefill_tokens!r}")
+    if segment_prefill_tokens not in (None, "auto") and (not isinstance(segment_prefill_tokens, int)
+                                                         or isinstance(segment_prefill_tokens, bool)
+                                                         or segment_prefill_tokens < 2):
+        raise ValueError(f"segment_prefill_tokens must be None (feed every continuation one token per step), 'auto' "
+                         f"(the sampler's default) or an int >= 2, got {segment_prefill_tokens!r}")
     check_random_source(generator, len(session.prompts))
     if model.caches_are_setup():
         raise ValueError("the model already has KV caches set up; the multi-turn samplers set up and delete their own")
@@ -107,7 +109,7 @@ def generate_turns(
     top_p: Optional[float] = None,
     generator: RandomSource = None,
     prefill_chunk_tokens: Optional[int] = DEFAULT_PREFILL_CHUNK_TOKENS,
-    segment_prefill_tokens: Optional[int] = DEFAULT_SEGMENT_PREFILL_TOKENS,
+    segment_prefill_tokens: Union[int, str, None] = "auto",
 ) -> Rollout:
     """Samples a multi-turn trajectory for every row of ``session`` (see the module docstring).
 
@@ -125,7 +127,8 @@ def generate_turns(
         prefill_chunk_tokens (Optional[int]): tokens per prompt-prefill forward (None: one forward).
         segment_prefill_tokens (Optional[int]): a continuation of at least this many tokens goes into
             its row's cache in one forward of that row (:func:`~logitless.generation.tools.turn_step.prefill_segment`);
-            shorter ones are fed one token per step, alongside the other rows' tokens; None: always fed.
+            shorter ones are fed one token per step, alongside the other rows' tokens; None: always fed;
+            ``"auto"``: :data:`DEFAULT_SEGMENT_PREFILL_TOKENS`.
 
     Returns:
         Rollout: ``completion_tokens`` hold each row's turns and the continuations between them;
@@ -148,6 +151,7 @@ def generate_turns(
 
     check_turn_args(model, session, max_new_tokens, stop_tokens, temperature, top_k, top_p, generator,
                     prefill_chunk_tokens, segment_prefill_tokens)
+    segment_threshold = DEFAULT_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto" else segment_prefill_tokens
     param = next(model.parameters())
     device = param.device
     g = session.num_generations
@@ -175,8 +179,7 @@ def generate_turns(
             caches = [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns]
             truncated, _ = drive_turns(
                 session, state, lambda: eager_turn_step(model, attns, caches, state, weight, draw), sync_every=1,
-                prefill_tokens=segment_prefill_tokens,
-                prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
+                prefill_tokens=segment_threshold, prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
     finally:
         model.train(was_training)
     return turn_rollout(state, tokens, prompt_mask, truncated, session)
