@@ -6,7 +6,9 @@ of ``--turns`` model turns with each multi-turn sampler: the eager reference
 (:class:`logitless.generation.tools.compiled.CompiledTurnSampler`, fused projections, as
 ``configs/qwen_tools_grpo.yaml`` builds it). Between turns each row's environment sleeps
 ``--latency-ms`` (a tool's latency, on its own thread while the other rows decode) and answers with
-``--tool-tokens`` tokens, which the sampler feeds into the row's KV cache. A turn ends at a stop
+``--tool-tokens`` tokens, which the sampler feeds into the row's KV cache (one token per decode step,
+or in one forward of the row from ``--segment-prefill-tokens``: one multi-turn run per value given,
+``auto`` being each sampler's default). A turn ends at a stop
 token: a set holding about ``1 / --turn-tokens`` of a near-uniform distribution, so turns are
 geometric with that mean. The prompt and the tool answers are fixed token ids (no chat template,
 which costs host time only): what is measured is the sampler.
@@ -15,8 +17,9 @@ Then, at the mean total completion length ``L`` the trajectories reached (their 
 appended tool tokens), the single-turn samplers decode ``L`` tokens per row without stopping: the
 eager reference (``generate``) and the compiled sampler (``CompiledSampler``, fused projections).
 Reported per row of the CSV: wall seconds, completion tokens per second (sampled and appended),
-sampled tokens per second, mean turns, the longest row's length, tool seconds per row, the decode steps and the wall time per
-step (compiled turn sampler and single-turn samplers), and for a multi-turn rollout with
+sampled tokens per second, mean turns, the longest row's length, tool seconds per row, the decode
+steps and the wall time per step (compiled turn sampler and single-turn samplers), and for a
+multi-turn rollout with
 latency whether it equals the same sampler's rollout with instant tools (``same_as_instant``: the
 fraction of rows whose tokens are identical; the draws are keyed by row and position, so a tool's
 latency moves a row in time, not its tokens).
@@ -29,6 +32,8 @@ bf16 logits of the completions would take (which the fused head never holds).
 Example (H100 / H200):
     PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models 0.5b,1.5b --rows 64 --turns 4 \\
         --latency-ms 0,50 --update
+    PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models 0.5b --tool-tokens 1024 \
+        --turn-samplers compiled_turns --single-samplers compiled --segment-prefill-tokens none,128
     PYTHONPATH=components python benchmarks/bench_tool_rollouts.py --models tiny --device cpu --rows 8 \\
         --turn-tokens 4 --tool-tokens 3 --prompt-len 8 --no-compile   # CPU smoke test
 """
