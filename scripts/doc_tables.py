@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The tables and figures README.md and docs/benchmarks.md quote, regenerated from committed results.
+"""The tables and figures README.md and docs/ quote, regenerated from committed results.
 
     python scripts/doc_tables.py              # every table below, as Markdown
     python scripts/doc_tables.py quickstart   # or: head, capacity, models
@@ -9,7 +9,7 @@
 - ``head``: the LM head at the Qwen2.5-7B shape (``head_final_h200.csv``): time and peak extra memory
   per implementation.
 - ``capacity``: the longest sequence per model and loss (``capacity_nvidia_h100_80gb_hbm3.csv``).
-- ``models``: Qwen3-1.7B next to Qwen2.5-1.5B on one H100: the GRPO step (``grpo_step_qwen3_h100.csv``),
+- ``models`` (docs/models.md): Qwen3-1.7B next to Qwen2.5-1.5B on one H100: the GRPO step (``grpo_step_qwen3_h100.csv``),
   decode at 64 rows and its share of the roofline with each group's prompt read once
   (``generation_qwen3_h100.csv``), the longest SFT sequence with our loss (the capacity CSV).
 
