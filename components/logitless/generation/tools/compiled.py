@@ -23,8 +23,8 @@ The cache and step buffers of one shape (rows, cache columns) are kept between c
 captured graph is replayed; the cache has ``prompt width + max_new_tokens + 1`` columns rounded up
 to ``cache_len_multiple``. Finished rows are not compacted into smaller batches: they idle in their
 slot until the rollout ends, with their cache columns hidden so the attention reads almost nothing
-for them (:func:`~logitless.generation.tools.turn_step.retire_rows`). A model whose layers cannot run the grouped step (hooks, another attention class)
-is sampled by the eager reference instead.
+for them (:func:`~logitless.generation.tools.turn_step.retire_rows`). A model whose layers cannot run
+the grouped step (hooks, another attention class) is sampled by the eager reference instead.
 
 Example:
     >>> sampler = CompiledTurnSampler(compile=False)
@@ -175,8 +175,6 @@ class CompiledTurnSampler:
                                   segment_prefill_tokens=segment_prefill_tokens)
         attns = attention_modules(model)
         param = next(model.parameters())
-        segment_threshold = (COMPILED_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto"
-                             else segment_prefill_tokens)
         device, dtype = param.device, param.dtype
         self.single.uses_programmatic_launch(device)  # an unsupported programmatic_launch=True: an error now
         g = session.num_generations
@@ -224,7 +222,9 @@ class CompiledTurnSampler:
 
             truncated, self.last_steps = drive_turns(
                 session, state, one_step, sync_every=self.config.sync_every,
-                prefill_tokens=segment_threshold, prefill=lambda b, ids: prefill_segment(model, attns, kept.pairs, state, b, ids))
+                prefill_tokens=(COMPILED_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto"
+                                else segment_prefill_tokens),
+                prefill=lambda b, ids: prefill_segment(model, attns, kept.pairs, state, b, ids))
             rollout = turn_rollout(state, prompts.repeat_interleave(g, dim=0), full_mask, truncated, session)
         finally:
             model.train(was_training)

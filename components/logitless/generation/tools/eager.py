@@ -151,7 +151,6 @@ def generate_turns(
 
     check_turn_args(model, session, max_new_tokens, stop_tokens, temperature, top_k, top_p, generator,
                     prefill_chunk_tokens, segment_prefill_tokens)
-    segment_threshold = DEFAULT_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto" else segment_prefill_tokens
     param = next(model.parameters())
     device = param.device
     g = session.num_generations
@@ -179,7 +178,9 @@ def generate_turns(
             caches = [(a.kv_cache.k_cache, a.kv_cache.v_cache) for a in attns]
             truncated, _ = drive_turns(
                 session, state, lambda: eager_turn_step(model, attns, caches, state, weight, draw), sync_every=1,
-                prefill_tokens=segment_threshold, prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
+                prefill_tokens=(DEFAULT_SEGMENT_PREFILL_TOKENS if segment_prefill_tokens == "auto"
+                                else segment_prefill_tokens),
+                prefill=lambda b, ids: prefill_segment(model, attns, caches, state, b, ids))
     finally:
         model.train(was_training)
     return turn_rollout(state, tokens, prompt_mask, truncated, session)
